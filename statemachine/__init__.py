@@ -1,0 +1,48 @@
+"""The pure domain of one rollout: states, events, transitions and their stored form.
+
+Imports only the standard library, numpy and msgpack; no I/O happens here.
+"""
+
+from __future__ import annotations
+
+from statemachine.errors import (
+    AttemptMismatch,
+    BudgetExceeded,
+    CodecError,
+    CorruptRecord,
+    IllegalTransition,
+    InvalidEvent,
+    InvalidRequest,
+    OffsetMismatch,
+    SequenceGap,
+    StateMachineError,
+    TransitionError,
+    UnknownEventType,
+    UnsupportedSchema,
+)
+from statemachine.events import (
+    Aborted,
+    Cancelled,
+    Event,
+    Failed,
+    Finished,
+    Resumed,
+    Started,
+    Submitted,
+    TokensAppended,
+    fence_of,
+)
+from statemachine.request import RolloutRequest, SamplingParams
+from statemachine.state import RolloutState
+from statemachine.states import LIVE, TERMINAL, WAITING, AbortReason, FinishReason, Status
+from statemachine.transitions import EVENT_TYPES, TRANSITIONS, apply, fold
+
+__all__ = [
+    "EVENT_TYPES", "LIVE", "TERMINAL", "TRANSITIONS", "WAITING",
+    "AbortReason", "Aborted", "AttemptMismatch", "BudgetExceeded", "Cancelled", "CodecError",
+    "CorruptRecord", "Event", "Failed", "FinishReason", "Finished", "IllegalTransition",
+    "InvalidEvent", "InvalidRequest", "OffsetMismatch", "Resumed", "RolloutRequest",
+    "RolloutState", "SamplingParams", "SequenceGap", "Started", "StateMachineError", "Status",
+    "Submitted", "TokensAppended", "TransitionError", "UnknownEventType", "UnsupportedSchema",
+    "apply", "fence_of", "fold",
+]

@@ -1,0 +1,80 @@
+"""Immutable numpy arrays for events: the dtypes every layer agrees on.
+
+Token ids are int32, logprobs float32, weight versions int64, routed experts the smallest
+unsigned dtype that fits the largest expert index (uint8 below 256 experts). Arrays in
+events are read-only so a frozen event is really frozen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from statemachine.errors import InvalidEvent
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+VERSION_DTYPE = np.dtype("<i8")
+ROUTE_DTYPES = (np.dtype("u1"), np.dtype("<u2"), np.dtype("<u4"))
+
+# What a NaN or infinite logprob from an engine is replaced with (SkyRL uses the same floor).
+LOGPROB_FLOOR = -9999.0
+
+
+def frozen(values: Any, dtype: np.dtype[Any], name: str, ndim: int = 1) -> npt.NDArray[Any]:
+    """A read-only array of ``dtype``; copies only when the input could still be mutated."""
+    try:
+        arr = np.asarray(values)
+        if arr.size == 0:
+            arr = arr.reshape((0,) * ndim) if arr.ndim != ndim else arr
+        if arr.dtype != dtype:
+            if dtype.kind in "iu" and arr.size and arr.dtype.kind not in "iub":
+                raise InvalidEvent(f"{name} must hold integers, got dtype {arr.dtype}")
+            arr = arr.astype(dtype)
+    except (TypeError, ValueError) as exc:
+        # Ragged lists or strings: numpy cannot form a rectangular array of this dtype.
+        raise InvalidEvent(f"{name} is not a {ndim}-D array of {dtype}: {exc}") from None
+    if arr.ndim != ndim:
+        raise InvalidEvent(f"{name} must be {ndim}-D, got shape {arr.shape}")
+    if arr.flags.writeable:
+        arr = arr.copy()
+        arr.flags.writeable = False
+    return arr
+
+
+def smallest_route_dtype(max_index: int) -> np.dtype[Any]:
+    for dt in ROUTE_DTYPES:
+        if max_index <= np.iinfo(dt).max:
+            return dt
+    raise InvalidEvent(f"expert index {max_index} does not fit in uint32")
+
+
+def frozen_routes(values: Any, name: str = "routed_experts") -> npt.NDArray[Any]:
+    """Routed experts ``[tokens, moe_layers, top_k]`` narrowed to the smallest unsigned dtype."""
+    arr = np.asarray(values)
+    if arr.ndim != 3:
+        raise InvalidEvent(f"{name} must be [tokens, layers, top_k], got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidEvent(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.size and int(arr.min()) < 0:
+        raise InvalidEvent(f"{name} holds a negative expert index")
+    top = int(arr.max()) if arr.size else 0
+    return frozen(arr, smallest_route_dtype(top), name, ndim=3)
+
+
+def clamp_logprobs(logprobs: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.float32], int]:
+    """Replace NaN/inf logprobs with ``LOGPROB_FLOOR``; return the array and how many changed."""
+    bad = ~np.isfinite(logprobs)
+    n = int(bad.sum())
+    if not n:
+        return logprobs, 0
+    fixed = np.where(bad, np.float32(LOGPROB_FLOOR), logprobs).astype(LOGPROB_DTYPE)
+    return fixed, n
+
+
+def concat(parts: list[npt.NDArray[Any]], dtype: np.dtype[Any], tail: tuple[int, ...] = ()) -> Any:
+    if not parts:
+        return np.empty((0, *tail), dtype=dtype)
+    return np.concatenate(parts)

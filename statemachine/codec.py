@@ -1,0 +1,278 @@
+"""Stored form of events and snapshots: msgpack with a type name, a schema version and a CRC.
+
+Record layout (bytes)::
+
+    b"R" | crc32(body) as 4 bytes little-endian | body
+    body = msgpack [type_name, schema_version, rollout_id, seq, {field: value}]
+
+Arrays travel as ``[dtype, shape, raw little-endian bytes]``, never as nested lists. The CRC
+is there so that damaged bytes are always refused: msgpack alone would happily decode a flipped
+bit inside a token id as another token id. Old schema versions are upcast by small named
+functions registered in ``UPCASTERS`` before the event is built.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from statemachine.arrays import LOGPROB_DTYPE, ROUTE_DTYPES, TOKEN_DTYPE, VERSION_DTYPE
+from statemachine.errors import (
+    CorruptRecord,
+    StateMachineError,
+    UnknownEventType,
+    UnsupportedSchema,
+)
+from statemachine.events import (
+    Aborted,
+    Cancelled,
+    Event,
+    Failed,
+    Finished,
+    Resumed,
+    Started,
+    Submitted,
+    TokensAppended,
+)
+from statemachine.request import RolloutRequest
+from statemachine.state import RolloutState
+from statemachine.states import AbortReason, FinishReason, Status
+
+EVENT_MAGIC = b"R"
+SNAPSHOT_MAGIC = b"S"
+SNAPSHOT_SCHEMA = 1
+_ALLOWED_DTYPES = {dt.str: dt for dt in (TOKEN_DTYPE, LOGPROB_DTYPE, VERSION_DTYPE, *ROUTE_DTYPES)}
+# uint8 has no byte order; numpy spells it "|u1".
+_ALLOWED_DTYPES["|u1"] = np.dtype("u1")
+
+Fields = dict[str, Any]
+
+
+# -- arrays -------------------------------------------------------------------------------------
+
+def pack_array(arr: npt.NDArray[Any]) -> list[Any]:
+    le = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+    return [le.str, list(arr.shape), np.ascontiguousarray(arr, dtype=le).tobytes()]
+
+
+def unpack_array(packed: Any) -> npt.NDArray[Any]:
+    """Inverse of ``pack_array``; refuses any dtype, shape or byte count that does not add up."""
+    if not isinstance(packed, list | tuple) or len(packed) != 3:
+        raise ValueError("array must be [dtype, shape, bytes]")
+    dtype_str, shape, data = packed
+    dtype = _ALLOWED_DTYPES.get(dtype_str)
+    if dtype is None:
+        raise ValueError(f"array dtype {dtype_str!r} is not allowed")
+    if not isinstance(shape, list | tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ValueError(f"bad array shape {shape!r}")
+    if not isinstance(data, bytes):
+        raise ValueError("array data must be bytes")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(f"array of shape {tuple(shape)} {dtype} needs {expected} bytes, got {len(data)}")
+    # frombuffer over immutable bytes: zero-copy and read-only, as events require.
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+# -- per-type fields ----------------------------------------------------------------------------
+
+def _attempt_fields(e: Started | Resumed) -> Fields:
+    return {"attempt": e.attempt, "worker_id": e.worker_id, "weight_version": e.weight_version}
+
+
+def _tokens_fields(e: TokensAppended) -> Fields:
+    return {
+        "attempt": e.attempt,
+        "offset": e.offset,
+        "token_ids": pack_array(e.token_ids),
+        "logprobs": pack_array(e.logprobs),
+        "weight_versions": pack_array(e.weight_versions),
+        "routed_experts": None if e.routed_experts is None else pack_array(e.routed_experts),
+    }
+
+
+def _tokens_from(f: Fields) -> Fields:
+    routes = f["routed_experts"]
+    return {
+        "attempt": f["attempt"],
+        "offset": f["offset"],
+        "token_ids": unpack_array(f["token_ids"]),
+        "logprobs": unpack_array(f["logprobs"]),
+        "weight_versions": unpack_array(f["weight_versions"]),
+        "routed_experts": None if routes is None else unpack_array(routes),
+    }
+
+
+# name -> (class, current schema version, to fields, from fields)
+_Codec = tuple[type[Event], int, Callable[[Any], Fields], Callable[[Fields], Fields]]
+REGISTRY: dict[str, _Codec] = {
+    "submitted": (
+        Submitted, 1,
+        lambda e: {"request": e.request.to_dict(), "submitted_at": e.submitted_at},
+        lambda f: {
+            "request": RolloutRequest.from_dict(f["request"]),
+            "submitted_at": float(f["submitted_at"]),
+        },
+    ),
+    "started": (Started, 1, _attempt_fields, dict),
+    "resumed": (Resumed, 1, _attempt_fields, dict),
+    "tokens_appended": (TokensAppended, 1, _tokens_fields, _tokens_from),
+    "aborted": (
+        Aborted, 1,
+        lambda e: {"attempt": e.attempt, "reason": e.reason.value, "detail": e.detail},
+        lambda f: {**f, "reason": AbortReason(f["reason"])},
+    ),
+    "finished": (
+        Finished, 1,
+        lambda e: {
+            "attempt": e.attempt, "finish_reason": e.finish_reason.value,
+            "stop_reason": e.stop_reason,
+        },
+        lambda f: {**f, "finish_reason": FinishReason(f["finish_reason"])},
+    ),
+    "failed": (Failed, 1, lambda e: {"error": e.error, "attempts": e.attempts}, dict),
+    "cancelled": (Cancelled, 1, lambda e: {"reason": e.reason}, dict),
+}
+_NAME_OF: dict[type[Event], str] = {cls: name for name, (cls, *_rest) in REGISTRY.items()}
+
+# (type name, stored version) -> function turning those fields into the next version's fields.
+UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {}
+
+
+# -- events -------------------------------------------------------------------------------------
+
+def encode(event: Event) -> bytes:
+    name = _NAME_OF[type(event)]
+    _, version, to_fields, _ = REGISTRY[name]
+    body = msgpack.packb(
+        [name, version, event.rollout_id, event.seq, to_fields(event)], use_bin_type=True
+    )
+    return _frame(EVENT_MAGIC, body)
+
+
+def decode(record: bytes, *, rollout_id: str | None = None, seq: int | None = None) -> Event:
+    """Decode one stored event. ``rollout_id``/``seq`` say where it was read from, for errors
+    and to catch a record that is intact but stored under the wrong key or position."""
+    body = _unframe(EVENT_MAGIC, record, rollout_id, seq)
+    try:
+        name, version, rid, eseq, fields = _unpack(body)
+    except (TypeError, ValueError):
+        # Intact checksum but not a 5-element list: written by something that is not us.
+        raise CorruptRecord("record is not [type, version, id, seq, fields]",
+                            rollout_id=rollout_id, seq=seq) from None
+    if (rollout_id is not None and rid != rollout_id) or (seq is not None and eseq != seq):
+        raise CorruptRecord(f"record says rollout {rid!r} event #{eseq}",
+                            rollout_id=rollout_id, seq=seq)
+    entry = REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise UnknownEventType(f"unknown event type {name!r}", rollout_id=rid, seq=eseq)
+    cls, current, _, from_fields = entry
+    if not isinstance(version, int) or not isinstance(fields, dict):
+        raise CorruptRecord("bad schema version or fields", rollout_id=rid, seq=eseq)
+    fields = _upcast(name, version, current, fields, rid, eseq)
+    try:
+        return cls(rollout_id=rid, seq=eseq, **from_fields(fields))
+    except (KeyError, TypeError, ValueError, StateMachineError) as exc:
+        # A missing or ill-typed field, or values the event itself refuses.
+        raise CorruptRecord(f"bad {name} fields: {exc}", rollout_id=rid, seq=eseq) from None
+
+
+def _upcast(name: str, version: int, current: int, fields: Fields, rid: Any, seq: Any) -> Fields:
+    if version > current:
+        raise UnsupportedSchema(
+            f"{name} schema v{version} is newer than this code (v{current})", rollout_id=rid, seq=seq
+        )
+    while version < current:
+        step = UPCASTERS.get((name, version))
+        if step is None:
+            raise UnsupportedSchema(
+                f"no upcaster for {name} schema v{version}", rollout_id=rid, seq=seq
+            )
+        fields, version = step(fields), version + 1
+    return fields
+
+
+# -- snapshots: the mutable scalars of a state. The request lives in the Submitted record and
+# the token data in the log's TokensAppended records, so nothing is stored twice and a
+# snapshot update stays a few dozen bytes however long the prompt or the rollout.
+
+def encode_snapshot(state: RolloutState) -> bytes:
+    body = msgpack.packb(
+        [
+            SNAPSHOT_SCHEMA, state.rollout_id, state.seq, state.status.value, state.attempt,
+            state.worker_id, state.weight_version, state.num_tokens, state.aborts,
+            None if state.abort_reason is None else state.abort_reason.value,
+            None if state.finish_reason is None else state.finish_reason.value,
+            state.stop_reason, state.error,
+        ],
+        use_bin_type=True,
+    )
+    return _frame(SNAPSHOT_MAGIC, body)
+
+
+def decode_snapshot(
+    record: bytes,
+    submitted: Submitted,
+    chunks: tuple[TokensAppended, ...] = (),
+) -> RolloutState:
+    """The state a snapshot head describes, completed by the rollout's Submitted event and
+    (when the caller wants token data) its TokensAppended events."""
+    rollout_id = submitted.rollout_id
+    body = _unframe(SNAPSHOT_MAGIC, record, rollout_id, None)
+    try:
+        (version, rid, seq, status, attempt, worker_id, weight_version, num_tokens, aborts,
+         abort_reason, finish_reason, stop_reason, error) = _unpack(body)
+    except (TypeError, ValueError):
+        # Wrong arity: the head was not written by this code.
+        raise CorruptRecord("bad snapshot layout", rollout_id=rollout_id) from None
+    if version != SNAPSHOT_SCHEMA:
+        raise UnsupportedSchema(f"snapshot schema v{version}", rollout_id=rollout_id, seq=seq)
+    if rid != rollout_id:
+        raise CorruptRecord(f"snapshot says rollout {rid!r}", rollout_id=rollout_id)
+    try:
+        return RolloutState(
+            rollout_id=rid, seq=seq, status=Status(status), request=submitted.request,
+            submitted_at=submitted.submitted_at, attempt=attempt, worker_id=worker_id,
+            weight_version=weight_version, num_tokens=num_tokens, chunks=chunks, aborts=aborts,
+            abort_reason=None if abort_reason is None else AbortReason(abort_reason),
+            finish_reason=None if finish_reason is None else FinishReason(finish_reason),
+            stop_reason=stop_reason, error=error,
+        )
+    except ValueError as exc:
+        # An enum value this code does not know.
+        raise CorruptRecord(f"bad snapshot: {exc}", rollout_id=rollout_id, seq=seq) from None
+
+
+# -- framing ------------------------------------------------------------------------------------
+
+def _frame(magic: bytes, body: bytes) -> bytes:
+    return magic + zlib.crc32(body).to_bytes(4, "little") + body
+
+
+def _unframe(magic: bytes, record: bytes, rollout_id: str | None, seq: int | None) -> bytes:
+    if not isinstance(record, bytes | bytearray | memoryview):
+        raise CorruptRecord(f"record is {type(record).__name__}, not bytes",
+                            rollout_id=rollout_id, seq=seq)
+    record = bytes(record)
+    if len(record) < 6 or record[:1] != magic:
+        raise CorruptRecord("truncated record or wrong magic byte", rollout_id=rollout_id, seq=seq)
+    body = record[5:]
+    if zlib.crc32(body) != int.from_bytes(record[1:5], "little"):
+        raise CorruptRecord("checksum mismatch: record damaged or truncated",
+                            rollout_id=rollout_id, seq=seq)
+    return body
+
+
+def _unpack(body: bytes) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+        # Checksum matched yet msgpack refuses it: the writer itself produced garbage.
+        raise ValueError(f"undecodable msgpack: {exc}") from None

@@ -1,0 +1,66 @@
+"""Every error the pure domain raises. One base class so callers can catch the domain as a whole."""
+
+from __future__ import annotations
+
+
+class StateMachineError(Exception):
+    """Base of every error raised by ``statemachine``."""
+
+
+class InvalidRequest(StateMachineError, ValueError):
+    """A rollout request (prompt or sampling params) is malformed; nothing was recorded."""
+
+
+class InvalidEvent(StateMachineError, ValueError):
+    """An event is malformed on its own (e.g. arrays of different lengths)."""
+
+
+class TransitionError(StateMachineError):
+    """An event cannot be applied to the current state. The state is left unchanged."""
+
+    def __init__(self, rollout_id: str, seq: int, message: str) -> None:
+        super().__init__(f"rollout {rollout_id!r} event #{seq}: {message}")
+        self.rollout_id = rollout_id
+        self.seq = seq
+
+
+class IllegalTransition(TransitionError):
+    """The ``(state, event type)`` pair is not in the transition table."""
+
+
+class SequenceGap(TransitionError):
+    """The event's sequence number is not exactly ``state.seq + 1``."""
+
+
+class AttemptMismatch(TransitionError):
+    """The event belongs to an attempt other than the one it must continue or open."""
+
+
+class OffsetMismatch(TransitionError):
+    """Appended tokens do not start where the tokens so far end."""
+
+
+class BudgetExceeded(TransitionError):
+    """Appended tokens would exceed the request's ``max_tokens``."""
+
+
+class CodecError(StateMachineError):
+    """A stored record cannot be decoded. Names the rollout and sequence number when known."""
+
+    def __init__(self, message: str, *, rollout_id: str | None = None, seq: int | None = None):
+        where = f"rollout {rollout_id!r} event #{seq}: " if rollout_id is not None else ""
+        super().__init__(f"{where}{message}")
+        self.rollout_id = rollout_id
+        self.seq = seq
+
+
+class CorruptRecord(CodecError):
+    """The record's checksum, framing or fields are wrong: it was damaged or truncated."""
+
+
+class UnknownEventType(CodecError):
+    """The record names an event type that is not registered."""
+
+
+class UnsupportedSchema(CodecError):
+    """The record's schema version is newer than this code, or has no upcaster."""

@@ -1,0 +1,165 @@
+"""The events of one rollout's life. Past tense, frozen, each with its rollout id and seq.
+
+``seq`` is the event's position in the rollout's log, starting at 1 for ``Submitted``.
+Events carry facts only; whether a fact may follow the current state is decided in
+``transitions``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from statemachine.arrays import (
+    LOGPROB_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    frozen,
+    frozen_routes,
+)
+from statemachine.errors import InvalidEvent
+from statemachine.request import RolloutRequest
+from statemachine.states import AbortReason, FinishReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    rollout_id: str
+    seq: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rollout_id, str) or not self.rollout_id:
+            raise InvalidEvent("rollout_id must be a non-empty string")
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1:
+            raise InvalidEvent(f"seq must be an int >= 1, got {self.seq!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submitted(Event):
+    request: RolloutRequest
+    submitted_at: float = 0.0  # unix time; informational, never used for decisions
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Started(Event):
+    """The first attempt began on a worker, on weights ``weight_version``."""
+
+    attempt: int
+    worker_id: str
+    weight_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resumed(Event):
+    """A later attempt began, continuing from the saved prefix."""
+
+    attempt: int
+    worker_id: str
+    weight_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class TokensAppended(Event):
+    """New tokens of the current attempt, starting at ``offset`` of the response.
+
+    ``weight_versions`` has one entry per token: the weights that sampled it.
+    ``routed_experts`` is ``[tokens, moe_layers, top_k]`` for MoE models, else None.
+    """
+
+    attempt: int
+    offset: int
+    token_ids: npt.NDArray[np.int32]
+    logprobs: npt.NDArray[np.float32]
+    weight_versions: npt.NDArray[np.int64]
+    routed_experts: npt.NDArray[Any] | None = None
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        ids = frozen(self.token_ids, TOKEN_DTYPE, "token_ids")
+        n = ids.shape[0]
+        if n == 0:
+            raise InvalidEvent("TokensAppended needs at least one token")
+        if int(ids.min()) < 0:
+            raise InvalidEvent("token ids must be >= 0")
+        lps = frozen(self.logprobs, LOGPROB_DTYPE, "logprobs")
+        vers = frozen(self.weight_versions, VERSION_DTYPE, "weight_versions")
+        object.__setattr__(self, "token_ids", ids)
+        object.__setattr__(self, "logprobs", lps)
+        object.__setattr__(self, "weight_versions", vers)
+        if lps.shape[0] != n or vers.shape[0] != n:
+            raise InvalidEvent(
+                f"{n} token ids but {lps.shape[0]} logprobs and {vers.shape[0]} weight versions"
+            )
+        if self.routed_experts is not None:
+            routes = frozen_routes(self.routed_experts)
+            if routes.shape[0] != n:
+                raise InvalidEvent(f"{n} token ids but {routes.shape[0]} routed-expert rows")
+            object.__setattr__(self, "routed_experts", routes)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TokensAppended):
+            return NotImplemented
+        return (
+            (self.rollout_id, self.seq, self.attempt, self.offset)
+            == (other.rollout_id, other.seq, other.attempt, other.offset)
+            and _same(self.token_ids, other.token_ids)
+            # Compare logprobs bit for bit: NaN must equal NaN and -0.0 must not equal 0.0
+            # for a round trip to count as exact.
+            and self.logprobs.tobytes() == other.logprobs.tobytes()
+            and _same(self.weight_versions, other.weight_versions)
+            and _same(self.routed_experts, other.routed_experts)
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # holds arrays
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Aborted(Event):
+    """The attempt stopped early; its appended tokens are kept."""
+
+    attempt: int
+    reason: AbortReason
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finished(Event):
+    attempt: int
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failed(Event):
+    """Given up: ``attempts`` is how many attempts were made."""
+
+    error: str
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancelled(Event):
+    reason: str = ""
+
+
+def _same(a: npt.NDArray[Any] | None, b: npt.NDArray[Any] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+# Events written by a worker inside one attempt: the store fences them on that attempt.
+ATTEMPT_SCOPED = (TokensAppended, Aborted, Finished)
+
+
+def fence_of(event: Event) -> int | None:
+    """The attempt that must be live for this event to be accepted, if it is attempt-scoped."""
+    if isinstance(event, ATTEMPT_SCOPED):
+        return event.attempt
+    return None

@@ -1,0 +1,91 @@
+"""The state of one rollout: a fold of its events. Derived values are computed, never stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from statemachine.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, concat
+from statemachine.events import TokensAppended
+from statemachine.request import RolloutRequest, SamplingParams
+from statemachine.states import LIVE, TERMINAL, AbortReason, FinishReason, Status
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutState:
+    rollout_id: str
+    seq: int
+    status: Status
+    request: RolloutRequest
+    submitted_at: float = 0.0
+    attempt: int = 0  # number of the latest attempt; 0 until the first start
+    worker_id: str | None = None  # worker of the latest attempt
+    weight_version: int | None = None  # weights the latest attempt started on
+    num_tokens: int = 0
+    # The appended chunks themselves: one copy of the token data, shared with the events.
+    chunks: tuple[TokensAppended, ...] = ()
+    aborts: int = 0
+    abort_reason: AbortReason | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    __hash__ = None  # type: ignore[assignment]  # holds a request with a metadata dict
+
+    # -- status -----------------------------------------------------------------------------
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    @property
+    def live_attempt(self) -> int:
+        """The attempt allowed to write now, or 0 when no attempt is running."""
+        return self.attempt if self.status in LIVE else 0
+
+    # -- derived token data -------------------------------------------------------------------
+    @property
+    def token_ids(self) -> npt.NDArray[np.int32]:
+        result: npt.NDArray[np.int32] = concat([c.token_ids for c in self.chunks], TOKEN_DTYPE)
+        return result
+
+    @property
+    def logprobs(self) -> npt.NDArray[np.float32]:
+        result: npt.NDArray[np.float32] = concat([c.logprobs for c in self.chunks], LOGPROB_DTYPE)
+        return result
+
+    @property
+    def weight_versions(self) -> npt.NDArray[np.int64]:
+        parts = [c.weight_versions for c in self.chunks]
+        result: npt.NDArray[np.int64] = concat(parts, VERSION_DTYPE)
+        return result
+
+    @property
+    def routed_experts(self) -> npt.NDArray[Any] | None:
+        """``[tokens, layers, top_k]`` for MoE rollouts, None when no chunk carried routes."""
+        routes = [c.routed_experts for c in self.chunks if c.routed_experts is not None]
+        if not routes:
+            return None
+        widest = max((r.dtype for r in routes), key=lambda d: d.itemsize)
+        return np.concatenate([r.astype(widest, copy=False) for r in routes])
+
+    # -- what a resume needs ------------------------------------------------------------------
+    @property
+    def remaining_tokens(self) -> int:
+        return self.request.sampling.max_tokens - self.num_tokens
+
+    def resume_prompt(self) -> tuple[int, ...]:
+        """The prompt to send on a resume: the original prompt followed by the tokens so far."""
+        return self.request.prompt_token_ids + tuple(self.token_ids.tolist())
+
+    def resume_sampling(self) -> SamplingParams:
+        """Sampling params for the rest of the rollout: budgets count over the whole rollout."""
+        s = self.request.sampling
+        remaining = self.remaining_tokens
+        if remaining < 1:
+            raise ValueError(f"rollout {self.rollout_id!r} has no token budget left")
+        return replace(
+            s, max_tokens=remaining, min_tokens=min(remaining, max(0, s.min_tokens - self.num_tokens))
+        )

@@ -1,0 +1,20 @@
+"""Redis-backed storage: the fenced event store, keys, and (later) queue, client and HTTP API."""
+
+from __future__ import annotations
+
+from store.errors import (
+    AppendRefused,
+    InvalidRolloutId,
+    RolloutExists,
+    RolloutNotFound,
+    SequenceConflict,
+    StaleAttempt,
+    StoreError,
+)
+from store.event_store import EventStore
+from store.keys import Keys
+
+__all__ = [
+    "AppendRefused", "EventStore", "InvalidRolloutId", "Keys", "RolloutExists",
+    "RolloutNotFound", "SequenceConflict", "StaleAttempt", "StoreError",
+]

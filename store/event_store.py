@@ -1,0 +1,169 @@
+"""The fenced event store: one log and one snapshot per rollout, appended to atomically.
+
+asyncio, not sync: the workers (one event loop driving many rollouts on one engine) and the
+HTTP API are asyncio, and a sync store would need a thread per in-flight rollout. A trainer that
+is not async uses the client's sync facade, which runs this store on a private loop.
+
+Write path: ``append`` folds the event onto the caller's view of the state in Python (an
+illegal event raises the domain's ``TransitionError`` before anything is sent), then one Lua
+script checks the sequence number and the fencing attempt and writes the log entry and the new
+snapshot together. The caller's view may be stale: the script then refuses with
+``SequenceConflict`` or ``StaleAttempt`` and writes nothing. A retried append whose record is
+already stored at that sequence number succeeds without writing again, which is what makes a
+blind retry after a lost reply safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from statemachine import (
+    Event,
+    RolloutState,
+    Submitted,
+    TokensAppended,
+    apply,
+    codec,
+    fence_of,
+)
+from statemachine.errors import CorruptRecord
+from store import scripts
+from store.errors import (
+    AppendRefused,
+    RolloutExists,
+    RolloutNotFound,
+    SequenceConflict,
+    StaleAttempt,
+)
+from store.keys import Keys
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    event: Event
+    state: RolloutState
+    keys: tuple[str, str]
+    args: tuple[int | str | bytes, ...]
+
+
+class EventStore:
+    def __init__(self, client: Redis, keys: Keys | None = None) -> None:
+        # Records are binary: a client that decodes responses would mangle them.
+        if client.get_encoder().decode_responses:
+            raise ValueError("EventStore needs a Redis client with decode_responses=False")
+        self.redis = client
+        self.keys = keys or Keys()
+        self._append = scripts.register(client, "append")
+
+    # -- writes -------------------------------------------------------------------------------
+    async def append(self, state: RolloutState | None, event: Event) -> RolloutState:
+        """Append ``event`` to the rollout whose current state the caller holds as ``state``
+        (None for a new rollout) and return the state after it."""
+        p = self._prepare(state, event)
+        reply = await self._append(keys=p.keys, args=p.args)
+        error = _refusal(reply, p.event)
+        if error is not None:
+            raise error
+        return p.state
+
+    async def append_many(
+        self, items: Sequence[tuple[RolloutState | None, Event]]
+    ) -> list[RolloutState | AppendRefused]:
+        """Append to many rollouts in one round trip (a worker's checkpoint of all its
+        in-flight rollouts). Each item succeeds or is refused on its own; a refusal is
+        returned in its place, not raised. Illegal events raise before anything is sent."""
+        prepared = [self._prepare(s, e) for s, e in items]
+        if not prepared:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for p in prepared:
+                await self._append(keys=p.keys, args=p.args, client=pipe)
+            replies = await pipe.execute()
+        out: list[RolloutState | AppendRefused] = []
+        for p, reply in zip(prepared, replies, strict=True):
+            error = _refusal(reply, p.event)
+            out.append(p.state if error is None else error)
+        return out
+
+    def _prepare(self, state: RolloutState | None, event: Event) -> _Prepared:
+        new_state = apply(state, event)
+        fence = fence_of(event)
+        rid = event.rollout_id
+        return _Prepared(
+            event=event,
+            state=new_state,
+            keys=(self.keys.log(rid), self.keys.snapshot(rid)),
+            args=(
+                event.seq,
+                "" if fence is None else str(fence),
+                codec.encode(event),
+                codec.encode_snapshot(new_state),
+                new_state.live_attempt,
+            ),
+        )
+
+    # -- reads --------------------------------------------------------------------------------
+    async def load(self, rollout_id: str) -> RolloutState:
+        """The current state, from the snapshot; token data from the log's token records."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            # One MULTI so the head and the log are read at the same instant.
+            pipe.hmget(self.keys.snapshot(rollout_id), "head", "sub")
+            pipe.xrange(self.keys.log(rollout_id))
+            (head, sub), entries = await pipe.execute()
+        if head is None or sub is None:
+            raise RolloutNotFound(rollout_id)
+        submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
+        if not isinstance(submitted, Submitted):
+            raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
+        chunks = tuple(
+            e for e in _decode_entries(rollout_id, entries) if isinstance(e, TokensAppended)
+        )
+        state = codec.decode_snapshot(head, submitted, chunks)
+        if sum(len(c) for c in chunks) != state.num_tokens:
+            raise CorruptRecord(
+                f"snapshot counts {state.num_tokens} tokens, the log holds "
+                f"{sum(len(c) for c in chunks)}", rollout_id=rollout_id, seq=state.seq,
+            )
+        return state
+
+    async def replay(self, rollout_id: str) -> RolloutState:
+        """The state rebuilt from the log alone, checking every transition on the way."""
+        state: RolloutState | None = None
+        for event in await self.events(rollout_id):
+            state = apply(state, event)
+        if state is None:
+            raise RolloutNotFound(rollout_id)
+        return state
+
+    async def events(self, rollout_id: str) -> list[Event]:
+        return _decode_entries(rollout_id, await self.redis.xrange(self.keys.log(rollout_id)))
+
+    async def exists(self, rollout_id: str) -> bool:
+        return bool(await self.redis.hexists(self.keys.snapshot(rollout_id), "head"))
+
+
+def _decode_entries(rollout_id: str, entries: list[Any]) -> list[Event]:
+    events = []
+    for entry_id, fields in entries:
+        # Entry ids are "0-<seq>" (see append.lua); the one field is b"e", the record.
+        seq = int(entry_id.split(b"-")[1])
+        events.append(codec.decode(fields[b"e"], rollout_id=rollout_id, seq=seq))
+    return events
+
+
+def _refusal(reply: Any, event: Event) -> AppendRefused | None:
+    status = reply[0]
+    if status in (b"ok", b"dup"):
+        return None
+    if status == b"stale":
+        return StaleAttempt(event.rollout_id, event.seq, fence_of(event) or 0, int(reply[1]))
+    if status == b"conflict":
+        current = int(reply[1])
+        if isinstance(event, Submitted):
+            return RolloutExists(event.rollout_id, event.seq, current)
+        return SequenceConflict(event.rollout_id, event.seq, current)
+    raise AssertionError(f"append.lua returned {reply!r}")  # the script has no other replies

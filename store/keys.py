@@ -1,0 +1,39 @@
+"""The only place that formats a Redis key.
+
+Every key of one rollout carries the hash tag ``{rollout_id}`` so that, on Redis Cluster, a
+rollout's log and snapshot live in one slot and the append script may touch both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from store.errors import InvalidRolloutId
+
+DEFAULT_NAMESPACE = "dr"
+_MAX_ID_LEN = 200
+
+
+def check_rollout_id(rollout_id: str) -> str:
+    # Braces would break the hash tag; whitespace and colons make keys ambiguous to read.
+    if (
+        not isinstance(rollout_id, str)
+        or not 0 < len(rollout_id) <= _MAX_ID_LEN
+        or any(c in rollout_id for c in "{}: \t\r\n")
+    ):
+        raise InvalidRolloutId(
+            f"rollout id must be 1-{_MAX_ID_LEN} characters without braces, colons or "
+            f"whitespace, got {rollout_id!r}"
+        )
+    return rollout_id
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    namespace: str = DEFAULT_NAMESPACE
+
+    def log(self, rollout_id: str) -> str:
+        return f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}:log"
+
+    def snapshot(self, rollout_id: str) -> str:
+        return f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}:snap"

@@ -1,0 +1,153 @@
+"""Tiny random-weight models and a locally trained tokenizer, built without any download.
+
+Tests and demos need a real Hugging Face model directory (config.json, generation_config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json) that transformers and vLLM load with
+their ordinary code paths, but nothing may ever be fetched from a hub. So the tokenizer is a
+byte-level BPE trained here on text generated in code, and the weights are drawn from a seeded
+torch.Generator in sorted parameter-name order: the same seed gives byte-identical safetensors,
+independent of transformers' own initialisation code (which changes between releases).
+
+The architectures are the standard Qwen3 (dense) and Qwen3-MoE ones, which vLLM supports.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+# Special tokens in Qwen's spelling, so chat-style prompts look familiar; the eos token is
+# what generation stops on.
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
+VOCAB_SIZE = 2048
+HIDDEN_SIZE = 64
+NUM_LAYERS = 2
+NUM_EXPERTS = 8
+TOP_K = 2
+# Random weights at transformers' default std (0.02) give an almost flat next-token
+# distribution: greedy decoding then hinges on near-ties that float rounding can flip.
+# A larger std makes the tiny model's preferences decisive, which the determinism tests need.
+INIT_STD = 0.5
+
+_WORDS = (
+    "the a an rollout token model weight trainer worker engine queue redis event log state "
+    "abort resume finish stop length sample greedy expert router layer batch step prompt "
+    "alpha beta gamma delta river mountain cloud stone light shadow quick slow bright dark "
+    "one two three four five six seven eight nine ten and or but if then else while for "
+    "is was will be has had can may must should run ran runs walk walked see saw seen"
+).split()
+
+
+def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    """Pseudo-random sentences plus digits and punctuation, so BPE learns merges of every kind."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 14))]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 99999)))
+        lines.append(" ".join(words).capitalize() + rng.choice(".!?,;:"))
+    return lines
+
+
+def build_tokenizer(seed: int = 0):  # -> PreTrainedTokenizerFast (lazy import: heavy)
+    """A byte-level BPE of about VOCAB_SIZE tokens, trained on generated text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )
+
+
+def _config(*, moe: bool, vocab_size: int, eos_id: int):  # -> PretrainedConfig
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN_SIZE,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+    if moe:
+        return Qwen3MoeConfig(
+            **common,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=NUM_EXPERTS,
+            num_experts_per_tok=TOP_K,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+    return Qwen3Config(**common, intermediate_size=128)
+
+
+def _fill_weights(model, seed: int) -> None:  # model: PreTrainedModel
+    """Overwrite every tensor from one seeded generator, in sorted name order (determinism)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            if "norm" in name:
+                # RMSNorm gains start at one, as in any freshly initialised transformer.
+                tensor.fill_(1.0)
+            else:
+                fan_in = tensor.shape[-1] if tensor.dim() > 1 else 1
+                std = INIT_STD / max(1.0, fan_in**0.5) * 8.0
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * std)
+
+
+def make_tiny_model(path: str | Path, *, moe: bool, seed: int = 0) -> Path:
+    """Write a tiny Qwen3 (dense) or Qwen3-MoE model directory at `path` and return it.
+
+    The tokenizer depends only on a fixed seed (0), so every checkpoint of one architecture
+    shares it; `seed` changes only the weights.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(seed=0)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config = _config(moe=moe, vocab_size=len(tokenizer), eos_id=eos_id)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _fill_weights(model, seed)
+    model.eval()
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(
+        out
+    )
+    tokenizer.save_pretrained(out)
+    (out / "tiny_model.json").write_text(json.dumps({"moe": moe, "seed": seed}) + "\n")
+    return out
+
+
+def make_tiny_checkpoint(path: str | Path, *, like: str | Path, seed: int) -> Path:
+    """Another checkpoint with the architecture of the tiny model at `like`, for weight updates."""
+    info = json.loads((Path(like) / "tiny_model.json").read_text())
+    return make_tiny_model(path, moe=bool(info["moe"]), seed=seed)
