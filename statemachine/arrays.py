@@ -24,22 +24,29 @@ LOGPROB_FLOOR = -9999.0
 
 
 def frozen(values: Any, dtype: np.dtype[Any], name: str, ndim: int = 1) -> npt.NDArray[Any]:
-    """A read-only array of ``dtype``; copies only when the input could still be mutated."""
-    try:
-        arr = np.asarray(values)
-        if arr.size == 0:
-            arr = arr.reshape((0,) * ndim) if arr.ndim != ndim else arr
-        if arr.dtype != dtype:
-            if dtype.kind in "iu" and arr.size and arr.dtype.kind not in "iub":
-                raise InvalidEvent(f"{name} must hold integers, got dtype {arr.dtype}")
-            arr = arr.astype(dtype)
-    except (TypeError, ValueError) as exc:
-        # Ragged lists or strings: numpy cannot form a rectangular array of this dtype.
-        raise InvalidEvent(f"{name} is not a {ndim}-D array of {dtype}: {exc}") from None
-    if arr.ndim != ndim:
-        raise InvalidEvent(f"{name} must be {ndim}-D, got shape {arr.shape}")
+    """A read-only array of ``dtype``.
+
+    An ndarray that already has the right dtype is not copied: it is made read-only in place,
+    so an event takes ownership of the arrays it is built from (the engine's fresh output, on
+    the per-token path). Anything else is converted into a new array.
+    """
+    if isinstance(values, np.ndarray) and values.dtype == dtype and values.ndim == ndim:
+        arr = values
+    else:
+        try:
+            arr = np.asarray(values)
+            if arr.size == 0 and arr.ndim != ndim:
+                arr = arr.reshape((0,) * ndim)
+            if arr.dtype != dtype:
+                if dtype.kind in "iu" and arr.size and arr.dtype.kind not in "iub":
+                    raise InvalidEvent(f"{name} must hold integers, got dtype {arr.dtype}")
+                arr = arr.astype(dtype)
+        except (TypeError, ValueError) as exc:
+            # Ragged lists or strings: numpy cannot form a rectangular array of this dtype.
+            raise InvalidEvent(f"{name} is not a {ndim}-D array of {dtype}: {exc}") from None
+        if arr.ndim != ndim:
+            raise InvalidEvent(f"{name} must be {ndim}-D, got shape {arr.shape}")
     if arr.flags.writeable:
-        arr = arr.copy()
         arr.flags.writeable = False
     return arr
 
@@ -58,10 +65,11 @@ def frozen_routes(values: Any, name: str = "routed_experts") -> npt.NDArray[Any]
         raise InvalidEvent(f"{name} must be [tokens, layers, top_k], got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise InvalidEvent(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.size and int(arr.min()) < 0:
+    if arr.dtype == ROUTE_DTYPES[0] or not arr.size:
+        return frozen(arr, ROUTE_DTYPES[0], name, ndim=3)  # already the narrowest: no scan
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
         raise InvalidEvent(f"{name} holds a negative expert index")
-    top = int(arr.max()) if arr.size else 0
-    return frozen(arr, smallest_route_dtype(top), name, ndim=3)
+    return frozen(arr, smallest_route_dtype(int(arr.max())), name, ndim=3)
 
 
 def clamp_logprobs(logprobs: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.float32], int]:

@@ -57,14 +57,13 @@ class EventStore:
             raise ValueError("EventStore needs a Redis client with decode_responses=False")
         self.redis = client
         self.keys = keys or Keys()
-        self._append = scripts.register(client, "append")
 
     # -- writes -------------------------------------------------------------------------------
     async def append(self, state: RolloutState | None, event: Event) -> RolloutState:
         """Append ``event`` to the rollout whose current state the caller holds as ``state``
         (None for a new rollout) and return the state after it."""
         p = self._prepare(state, event)
-        reply = await self._append(keys=p.keys, args=p.args)
+        reply = await scripts.APPEND(self.redis, p.keys, p.args)
         error = _refusal(reply, p.event)
         if error is not None:
             raise error
@@ -79,10 +78,7 @@ class EventStore:
         prepared = [self._prepare(s, e) for s, e in items]
         if not prepared:
             return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for p in prepared:
-                await self._append(keys=p.keys, args=p.args, client=pipe)
-            replies = await pipe.execute()
+        replies = await scripts.APPEND.many(self.redis, [(p.keys, p.args) for p in prepared])
         out: list[RolloutState | AppendRefused] = []
         for p, reply in zip(prepared, replies, strict=True):
             error = _refusal(reply, p.event)

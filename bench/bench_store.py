@@ -1,0 +1,199 @@
+"""Store append throughput and memory next to the raw Redis primitive underneath, in one run.
+
+256 rollouts, each appending chunks of 32 tokens with logprobs, per-token weight versions and a
+48-layer x top-8 uint8 routed-experts block per token. Both sides run against the same fresh
+redis-server (started here on a free port), one after the other:
+
+- store: ``EventStore.append_many`` with one chunk of every rollout per call, the way a worker
+  checkpoints all its in-flight rollouts in one round trip; this includes the Python fold that
+  validates each event, encoding, and the Lua script (seq + attempt check, XADD, snapshot HSET);
+- raw:   pipelined ``XADD`` of blobs of the same size, the same number per round trip.
+
+Also reported: the store driven by 256 concurrent coroutines each awaiting its own appends
+(``concurrent_*``), and Redis memory per stored token against the payload per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import redis.asyncio as aredis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from statemachine import (  # noqa: E402
+    RolloutRequest,
+    RolloutState,
+    SamplingParams,
+    Started,
+    Submitted,
+    TokensAppended,
+)
+from store import EventStore, Keys  # noqa: E402
+from store.server import RedisServer  # noqa: E402
+
+LAYERS, TOP_K, EXPERTS = 48, 8, 128
+
+
+def make_chunks(rollouts: int, chunks: int, tokens: int, seed: int = 0) -> list[list[dict]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(rollouts):
+        per = []
+        for c in range(chunks):
+            per.append({
+                "offset": c * tokens,
+                "token_ids": rng.integers(0, 150_000, tokens, dtype=np.int32),
+                "logprobs": rng.uniform(-10, 0, tokens).astype(np.float32),
+                "weight_versions": np.full(tokens, 3, dtype=np.int64),
+                "routed_experts": rng.integers(0, EXPERTS, (tokens, LAYERS, TOP_K), dtype=np.uint8),
+            })
+        out.append(per)
+    return out
+
+
+async def used_memory(client: aredis.Redis) -> int:
+    return int((await client.info("memory"))["used_memory"])
+
+
+async def start_rollouts(store: EventStore, prefix: str, n: int, max_tokens: int) -> list:
+    request = RolloutRequest(
+        prompt_token_ids=list(range(1, 257)), sampling=SamplingParams(max_tokens=max_tokens)
+    )
+    states = []
+    for i in range(n):
+        rid = f"{prefix}{i}"
+        s = await store.append(None, Submitted(rollout_id=rid, seq=1, request=request))
+        s = await store.append(
+            s, Started(rollout_id=rid, seq=2, attempt=1, worker_id="bench", weight_version=3)
+        )
+        states.append(s)
+    return states
+
+
+def event(state: RolloutState, chunk: dict) -> TokensAppended:
+    return TokensAppended(
+        rollout_id=state.rollout_id, seq=state.seq + 1, attempt=state.attempt, **chunk
+    )
+
+
+def split(items: list, parts: int) -> list[list]:
+    return [items[i::parts] for i in range(parts)]
+
+
+async def run_store_batched(
+    store: EventStore, data: list[list[dict]], max_tokens: int, writers: int
+) -> float:
+    states = await start_rollouts(store, "b", len(data), max_tokens)
+
+    async def writer(states: list[RolloutState], data: list[list[dict]]) -> None:
+        for c in range(len(data[0])):
+            results = await store.append_many([(s, event(s, d[c])) for s, d in zip(states, data)])
+            assert all(isinstance(r, RolloutState) for r in results), results[:1]
+            states = results  # type: ignore[assignment]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(writer(s, d) for s, d in zip(split(states, writers), split(data, writers))))
+    return time.perf_counter() - t0
+
+
+async def run_store_concurrent(store: EventStore, data: list[list[dict]], max_tokens: int) -> float:
+    states = await start_rollouts(store, "c", len(data), max_tokens)
+
+    async def one(state: RolloutState, chunks: list[dict]) -> None:
+        for chunk in chunks:
+            state = await store.append(state, event(state, chunk))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(s, d) for s, d in zip(states, data)))
+    return time.perf_counter() - t0
+
+
+async def run_raw(
+    client: aredis.Redis, data: list[list[dict]], blob_size: int, writers: int
+) -> float:
+    keys = Keys("raw")
+    blob = bytes(blob_size)
+
+    async def writer(ids: list[int]) -> None:
+        for c in range(len(data[0])):
+            async with client.pipeline(transaction=False) as pipe:
+                for i in ids:
+                    pipe.xadd(keys.log(f"r{i}"), {"e": blob}, id=f"0-{c + 1}")
+                await pipe.execute()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(writer(ids) for ids in split(list(range(len(data))), writers)))
+    return time.perf_counter() - t0
+
+
+async def main(args: argparse.Namespace) -> dict:
+    data = make_chunks(args.rollouts, args.chunks, args.tokens)
+    n_events = args.rollouts * args.chunks
+    n_tokens = n_events * args.tokens
+    max_tokens = args.chunks * args.tokens
+    first = data[0][0]
+    payload = sum(first[k].nbytes for k in ("token_ids", "logprobs", "weight_versions",
+                                            "routed_experts")) / args.tokens
+    with RedisServer(config={"appendonly": "yes", "appendfsync": args.fsync}) as server:
+        client = aredis.Redis.from_url(server.url, max_connections=args.rollouts + 8)
+        store = EventStore(client)
+        # Encoded record size of one chunk, so the raw side writes blobs of exactly that size.
+        from statemachine import codec
+        sample = await start_rollouts(store, "s", 1, max_tokens)
+        blob_size = len(codec.encode(event(sample[0], first)))
+        await client.flushall()
+
+        raw_s = await run_raw(client, data, blob_size, args.writers)
+        raw_mem = await used_memory(client)
+        await client.flushall()
+
+        mem0 = await used_memory(client)
+        store_s = await run_store_batched(store, data, max_tokens, args.writers)
+        store_mem = await used_memory(client) - mem0
+        await client.flushall()
+
+        conc_s = await run_store_concurrent(store, data, max_tokens)
+        await client.aclose()
+    return {
+        "rollouts": args.rollouts,
+        "events": n_events,
+        "tokens_per_event": args.tokens,
+        "appendfsync": args.fsync,
+        "writers": args.writers,
+        "store_events_per_s": round(n_events / store_s, 1),
+        "store_tokens_per_s": round(n_tokens / store_s, 1),
+        "raw_events_per_s": round(n_events / raw_s, 1),
+        "ratio": round(raw_s / store_s, 3),
+        "concurrent_store_events_per_s": round(n_events / conc_s, 1),
+        "concurrent_ratio": round(raw_s / conc_s, 3),
+        "record_bytes_per_event": blob_size,
+        "payload_bytes_per_token": round(payload, 1),
+        "redis_bytes_per_token": round(store_mem / n_tokens, 1),
+        "raw_redis_bytes_per_token": round(raw_mem / n_tokens, 1),
+        "memory_ratio": round(store_mem / n_tokens / payload, 3),
+    }
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rollouts", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=16, help="chunks appended per rollout")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens per chunk")
+    ap.add_argument("--writers", type=int, default=4,
+                    help="concurrent batched writers, like worker processes sharing one Redis")
+    ap.add_argument("--fsync", default="everysec", choices=["always", "everysec", "no"])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    a = ap.parse_args()
+    result = asyncio.run(main(a))
+    if a.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:32s} {v}")

@@ -1,0 +1,59 @@
+"""Shared fixtures: a real redis-server for the session, fakeredis, and the event store on both."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import fakeredis
+import pytest
+import redis.asyncio as aredis
+
+from store import EventStore
+from store.server import RedisServer
+
+# Tests never reach a model hub: everything they load is built locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of our own (free port, own data dir, AOF with fsync always)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis-session"))
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+async def real_redis(redis_server: RedisServer) -> AsyncIterator[aredis.Redis]:
+    client = aredis.Redis.from_url(redis_server.url)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def fake_redis() -> AsyncIterator[aredis.Redis]:
+    client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture(params=["fakeredis", "redis-server"])
+async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[aredis.Redis]:
+    """The contract suites run once on fakeredis and once on a real redis-server."""
+    if request.param == "fakeredis":
+        client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        client = aredis.Redis.from_url(server.url)
+        await client.flushall()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def store(redis_client: aredis.Redis) -> EventStore:
+    return EventStore(redis_client)

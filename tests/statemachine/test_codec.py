@@ -1,0 +1,164 @@
+"""The stored form: exact round trips, and damaged bytes always refused, never mis-decoded."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from statemachine import (
+    AbortReason,
+    Aborted,
+    CodecError,
+    CorruptRecord,
+    Event,
+    TokensAppended,
+    UnknownEventType,
+    UnsupportedSchema,
+    codec,
+)
+from tests import factories as f
+
+ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=40)
+
+
+@st.composite
+def token_events(draw: st.DrawFn) -> TokensAppended:
+    n = draw(st.integers(1, 64))
+    experts = draw(st.sampled_from([2, 8, 128, 255, 256, 300, 65535, 65536, 100_000]))
+    routes = draw(st.none() | hnp.arrays(
+        np.int64, (n, draw(st.integers(1, 4)), draw(st.integers(1, 8))),
+        elements=st.integers(0, experts - 1),
+    ))
+    return TokensAppended(
+        rollout_id=draw(ids), seq=draw(st.integers(1, 2**40)), attempt=draw(st.integers(1, 99)),
+        offset=draw(st.integers(0, 2**31)),
+        token_ids=draw(hnp.arrays(np.int32, n, elements=st.integers(0, 2**31 - 1))),
+        # Any float32 bit pattern, NaN and infinities included: the codec stores, never judges.
+        logprobs=draw(hnp.arrays(np.float32, n, elements=st.floats(width=32))),
+        weight_versions=draw(hnp.arrays(np.int64, n, elements=st.integers(0, 2**62))),
+        routed_experts=routes,
+    )
+
+
+def other_events() -> st.SearchStrategy[Event]:
+    s = f.submitted()
+    from statemachine import apply
+    st0 = apply(None, s)
+    st1 = apply(st0, f.started(st0))
+    return st.sampled_from([
+        s, f.started(st0), f.tokens(st1, routes=True), f.aborted(st1, AbortReason.SHUTDOWN),
+        f.finished(st1), f.failed(st1, "CUDA out of memory: ünïcode ok"), f.cancelled(st1),
+        f.resumed(apply(st1, f.aborted(st1))),
+        f.submitted(max_tokens=5, stop=("</s>",), stop_token_ids=(2,), seed=7, temperature=0.0),
+    ])
+
+
+events = token_events() | other_events()
+
+
+@settings(max_examples=200)
+@given(events)
+def test_round_trip_is_exact(event: Event) -> None:
+    record = codec.encode(event)
+    assert codec.decode(record) == event
+    assert codec.decode(record, rollout_id=event.rollout_id, seq=event.seq) == event
+
+
+@given(token_events())
+def test_routes_use_smallest_dtype_and_raw_bytes(event: TokensAppended) -> None:
+    if event.routed_experts is not None:
+        top = int(event.routed_experts.max()) if event.routed_experts.size else 0
+        expect = np.uint8 if top < 256 else np.uint16 if top < 65536 else np.uint32
+        assert event.routed_experts.dtype == expect
+    body = msgpack.unpackb(codec.encode(event)[5:], raw=False)
+    fields = body[4]
+    # Arrays are [dtype, shape, bytes], not nested lists of numbers.
+    assert isinstance(fields["token_ids"][2], bytes)
+    assert len(fields["token_ids"][2]) == 4 * len(event)
+
+
+@settings(max_examples=400)
+@given(events, st.data())
+def test_any_damage_is_refused(event: Event, data: st.DataObject) -> None:
+    record = bytearray(codec.encode(event))
+    how = data.draw(st.sampled_from(["flip", "truncate", "insert", "append", "delete"]))
+    pos = data.draw(st.integers(0, len(record) - 1))
+    if how == "flip":
+        record[pos] ^= data.draw(st.integers(1, 255))
+    elif how == "truncate":
+        del record[pos:]
+    elif how == "insert":
+        record.insert(pos, data.draw(st.integers(0, 255)))
+    elif how == "append":
+        record += data.draw(st.binary(min_size=1, max_size=8))
+    else:
+        del record[pos]
+    with pytest.raises(CodecError):
+        codec.decode(bytes(record), rollout_id=event.rollout_id, seq=event.seq)
+
+
+def test_errors_name_the_rollout_and_sequence() -> None:
+    record = bytearray(codec.encode(f.submitted("my-rollout")))
+    record[-1] ^= 1
+    with pytest.raises(CorruptRecord, match=r"rollout 'my-rollout' event #1: checksum"):
+        codec.decode(bytes(record), rollout_id="my-rollout", seq=1)
+    with pytest.raises(CorruptRecord, match="record says rollout 'my-rollout' event #1"):
+        codec.decode(codec.encode(f.submitted("my-rollout")), rollout_id="other", seq=1)
+
+
+def _forge(body: list) -> bytes:
+    """A record with a valid checksum around an arbitrary body: what a buggy writer makes."""
+    import zlib
+    packed = msgpack.packb(body, use_bin_type=True)
+    return b"R" + zlib.crc32(packed).to_bytes(4, "little") + packed
+
+
+def test_unknown_type_and_future_schema_are_named() -> None:
+    with pytest.raises(UnknownEventType, match="rollout 'r' event #3: unknown event type 'teleported'"):
+        codec.decode(_forge(["teleported", 1, "r", 3, {}]))
+    with pytest.raises(UnsupportedSchema, match="v9 is newer"):
+        codec.decode(_forge(["cancelled", 9, "r", 3, {"reason": ""}]))
+    with pytest.raises(CorruptRecord, match="bad aborted fields"):
+        codec.decode(_forge(["aborted", 1, "r", 3, {"attempt": 1, "reason": "meteor"}]))
+    with pytest.raises(CorruptRecord):
+        codec.decode(_forge(["tokens_appended", 1, "r", 3, {
+            "attempt": 1, "offset": 0, "token_ids": ["<i4", [3], b"\x00" * 8],
+            "logprobs": ["<f4", [3], b"\x00" * 12], "weight_versions": ["<i8", [3], b"\x00" * 24],
+            "routed_experts": None,
+        }]))
+    with pytest.raises(CorruptRecord, match="not allowed"):
+        codec.decode(_forge(["tokens_appended", 1, "r", 3, {
+            "attempt": 1, "offset": 0, "token_ids": ["|O", [1], b"\x00" * 8],
+            "logprobs": ["<f4", [1], b"\x00" * 4], "weight_versions": ["<i8", [1], b"\x00" * 8],
+            "routed_experts": None,
+        }]))
+
+
+def test_old_schema_is_upcast_by_a_named_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pretend "aborted" is at v2, whose v1 lacked ``detail``; v1 records must still load.
+    name, (cls, _, to_f, from_f) = "aborted", codec.REGISTRY["aborted"]
+    monkeypatch.setitem(codec.REGISTRY, name, (cls, 2, to_f, from_f))
+
+    def aborted_v1_to_v2(fields: dict) -> dict:
+        return {**fields, "detail": "(recorded before v2)"}
+
+    monkeypatch.setitem(codec.UPCASTERS, ("aborted", 1), aborted_v1_to_v2)
+    old = _forge(["aborted", 1, "r", 4, {"attempt": 1, "reason": "shutdown"}])
+    event = codec.decode(old)
+    assert isinstance(event, Aborted) and event.detail == "(recorded before v2)"
+    monkeypatch.delitem(codec.UPCASTERS, ("aborted", 1))
+    with pytest.raises(UnsupportedSchema, match="no upcaster"):
+        codec.decode(old)
+
+
+def test_no_pickle_anywhere() -> None:
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    for pkg in ("statemachine", "store", "workers"):
+        for path in (root / pkg).rglob("*.py"):
+            text = path.read_text()
+            assert "import pickle" not in text and "cPickle" not in text, path

@@ -1,0 +1,232 @@
+"""The transition table, walked exhaustively, and every check ``apply`` makes."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from statemachine import (
+    EVENT_TYPES,
+    LIVE,
+    TERMINAL,
+    TRANSITIONS,
+    AbortReason,
+    AttemptMismatch,
+    BudgetExceeded,
+    FinishReason,
+    IllegalTransition,
+    InvalidEvent,
+    InvalidRequest,
+    OffsetMismatch,
+    RolloutRequest,
+    RolloutState,
+    SamplingParams,
+    SequenceGap,
+    Status,
+    TokensAppended,
+    apply,
+    fold,
+)
+from tests import factories as f
+
+
+def state_in(status: Status | None) -> RolloutState | None:
+    """A real state in ``status``, reached through legal events only."""
+    if status is None:
+        return None
+    s = apply(None, f.submitted(max_tokens=16))
+    path = {
+        Status.PENDING: [],
+        Status.GENERATING: [f.started],
+        Status.ABORTED: [f.started, f.tokens, f.aborted],
+        Status.RESUMED: [f.started, f.tokens, f.aborted, f.resumed],
+        Status.DONE: [f.started, f.finished],
+        Status.FAILED: [f.failed],
+        Status.CANCELLED: [f.cancelled],
+    }[status]
+    for make in path:
+        s = apply(s, make(s))
+    assert s.status is status
+    return s
+
+
+def event_for(state: RolloutState | None, event_type: type) -> object:
+    """An event of ``event_type`` that is well-formed for ``state`` in every respect but the
+    transition itself, so the table alone decides whether it is accepted."""
+    if event_type.__name__ == "Submitted":
+        return f.submitted() if state is None else f.submitted().__class__(
+            rollout_id=state.rollout_id, seq=state.seq + 1, request=state.request
+        )
+    if state is None:
+        # No rollout yet: the same event as for a pending one, but as the very first record.
+        return dataclasses.replace(event_for(state_in(Status.GENERATING), event_type), seq=1)  # type: ignore[type-var]
+    return {
+        "Started": lambda s: f.started(s),
+        "Resumed": lambda s: f.resumed(s),
+        "TokensAppended": lambda s: f.tokens(s, n=1),
+        "Aborted": lambda s: f.aborted(s),
+        "Finished": lambda s: f.finished(s),
+        "Failed": lambda s: f.failed(s),
+        "Cancelled": lambda s: f.cancelled(s),
+    }[event_type.__name__](state)
+
+
+@pytest.mark.parametrize("status", [None, *Status], ids=lambda s: str(s or "new"))
+@pytest.mark.parametrize("event_type", EVENT_TYPES, ids=lambda t: t.__name__)
+def test_every_state_event_pair(status: Status | None, event_type: type) -> None:
+    state = state_in(status)
+    event = event_for(state, event_type)
+    expected = TRANSITIONS.get((status, event_type))
+    if expected is None:
+        with pytest.raises(IllegalTransition):
+            apply(state, event)  # type: ignore[arg-type]
+    else:
+        after = apply(state, event)  # type: ignore[arg-type]
+        assert after.status is expected
+        assert after.seq == (state.seq + 1 if state else 1)
+
+
+def test_terminal_states_have_no_exits_and_sets_are_disjoint() -> None:
+    assert {s for (s, _) in TRANSITIONS if s in TERMINAL} == set()
+    assert TERMINAL.isdisjoint(LIVE)
+    assert {Status.DONE, Status.FAILED, Status.CANCELLED} == TERMINAL
+    # Every non-terminal state can still reach an end.
+    for s in set(Status) - TERMINAL:
+        assert any(src is s and dst in TERMINAL for (src, _), dst in TRANSITIONS.items())
+
+
+def test_sequence_gap_and_foreign_rollout_refused() -> None:
+    s = state_in(Status.GENERATING)
+    assert s is not None
+    with pytest.raises(SequenceGap):
+        apply(s, f.tokens(s, seq=s.seq + 2))
+    with pytest.raises(SequenceGap):
+        apply(s, f.tokens(s, seq=s.seq))
+    other = f.submitted("other")
+    with pytest.raises(IllegalTransition):
+        apply(s, other.__class__(rollout_id="other", seq=s.seq + 1, request=other.request))
+
+
+def test_offset_budget_and_attempt_checks() -> None:
+    s = state_in(Status.GENERATING)
+    assert s is not None
+    s = apply(s, f.tokens(s, n=10))
+    with pytest.raises(OffsetMismatch):
+        apply(s, f.tokens(s, n=1, offset=9))
+    with pytest.raises(OffsetMismatch):
+        apply(s, f.tokens(s, n=1, offset=11))
+    with pytest.raises(BudgetExceeded):
+        apply(s, f.tokens(s, n=7))  # 10 + 7 > 16
+    with pytest.raises(AttemptMismatch):
+        apply(s, f.tokens(s, n=1, attempt=2))
+    full = apply(s, f.tokens(s, n=6))
+    assert full.num_tokens == 16 and full.remaining_tokens == 0
+    with pytest.raises(AttemptMismatch):
+        apply(full, f.aborted(full, attempt=0))
+    bad_start = f.started(state_in(Status.PENDING))  # type: ignore[arg-type]
+    with pytest.raises(AttemptMismatch):
+        apply(state_in(Status.PENDING), bad_start.__class__(
+            rollout_id="r1", seq=2, attempt=2, worker_id="w", weight_version=0))
+
+
+def test_derived_values_across_an_abort_and_resume() -> None:
+    s = apply(None, f.submitted(max_tokens=10, min_tokens=6, prompt=(7, 8)))
+    s = apply(s, f.started(s, version=3))
+    s = apply(s, f.tokens(s, [11, 12], version=3, routes=True))
+    s = apply(s, f.tokens(s, [13], version=3, routes=True))
+    s = apply(s, f.aborted(s, AbortReason.WEIGHT_UPDATE))
+    assert s.status is Status.ABORTED and s.live_attempt == 0 and s.aborts == 1
+    assert s.resume_prompt() == (7, 8, 11, 12, 13)
+    rs = s.resume_sampling()
+    assert (rs.max_tokens, rs.min_tokens) == (7, 3)
+    s = apply(s, f.resumed(s, version=4))
+    assert s.live_attempt == 2 and s.weight_version == 4
+    s = apply(s, f.tokens(s, [14, 15], version=4, routes=True))
+    s = apply(s, f.finished(s, FinishReason.STOP))
+    assert s.token_ids.tolist() == [11, 12, 13, 14, 15]
+    assert s.weight_versions.tolist() == [3, 3, 3, 4, 4]
+    assert s.logprobs.dtype == np.float32 and s.logprobs.shape == (5,)
+    routes = s.routed_experts
+    assert routes is not None and routes.shape == (5, 2, 2) and routes.dtype == np.uint8
+    assert s.terminal and s.finish_reason is FinishReason.STOP
+
+
+def test_events_refuse_malformed_arrays() -> None:
+    s = state_in(Status.GENERATING)
+    assert s is not None
+    base = {"rollout_id": "r1", "seq": 3, "attempt": 1, "offset": 0}
+    with pytest.raises(InvalidEvent):
+        TokensAppended(**base, token_ids=[1, 2], logprobs=[-1.0], weight_versions=[0, 0])
+    with pytest.raises(InvalidEvent):
+        TokensAppended(**base, token_ids=[], logprobs=[], weight_versions=[])
+    with pytest.raises(InvalidEvent):
+        TokensAppended(**base, token_ids=[-1], logprobs=[-1.0], weight_versions=[0])
+    with pytest.raises(InvalidEvent):
+        TokensAppended(**base, token_ids=[1.5], logprobs=[-1.0], weight_versions=[0])
+    with pytest.raises(InvalidEvent):
+        TokensAppended(**base, token_ids=[1], logprobs=[-1.0], weight_versions=[0],
+                       routed_experts=np.zeros((2, 1, 1), dtype=np.uint8))
+    with pytest.raises(InvalidEvent):
+        TokensAppended(**base, token_ids=[1], logprobs=[-1.0], weight_versions=[0],
+                       routed_experts=np.full((1, 1, 1), -3))
+
+
+def test_events_are_immutable_including_their_arrays() -> None:
+    s = state_in(Status.GENERATING)
+    assert s is not None
+    e = f.tokens(s, n=3, routes=True)
+    with pytest.raises(ValueError, match="read-only"):
+        e.token_ids[0] = 5
+    with pytest.raises(AttributeError):
+        e.offset = 3  # type: ignore[misc]
+    assert e.routed_experts is not None and e.routed_experts.dtype == np.uint8
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0}, {"max_tokens": 4, "min_tokens": 5}, {"max_tokens": 4, "temperature": -1},
+        {"max_tokens": 4, "top_p": 0.0}, {"max_tokens": 4, "top_p": 1.5}, {"max_tokens": 4, "top_k": -2},
+        {"max_tokens": True}, {"max_tokens": 4, "stop": ("",)}, {"max_tokens": 4, "stop_token_ids": (-1,)},
+        {"max_tokens": 4, "temperature": float("nan")},
+    ],
+)
+def test_bad_sampling_params_are_refused(kwargs: dict) -> None:
+    with pytest.raises(InvalidRequest):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_refused() -> None:
+    sp = SamplingParams(max_tokens=4)
+    with pytest.raises(InvalidRequest):
+        RolloutRequest(prompt_token_ids=(), sampling=sp)
+    with pytest.raises(InvalidRequest):
+        RolloutRequest(prompt_token_ids=(1, -2), sampling=sp)
+    with pytest.raises(InvalidRequest):
+        RolloutRequest(prompt_token_ids=(1,), sampling=sp, metadata={"x": [1, 2]})  # type: ignore[dict-item]
+    with pytest.raises(InvalidRequest, match="unknown sampling"):
+        RolloutRequest.from_dict({"prompt_token_ids": [1], "sampling": {"max_tokens": 2, "tempreature": 1}})
+    with pytest.raises(InvalidRequest, match="missing"):
+        RolloutRequest.from_dict({"sampling": {"max_tokens": 2}})
+
+
+def test_fold_equals_stepwise_apply() -> None:
+    s0 = apply(None, f.submitted())
+    s1 = apply(s0, f.started(s0))
+    s2 = apply(s1, f.tokens(s1))
+    events = [f.submitted(), f.started(s0), f.tokens(s1), f.finished(s2)]
+    assert fold(events) == apply(s2, f.finished(s2))
+
+
+def test_statemachine_imports_no_io_or_ml_libraries() -> None:
+    forbidden = ["redis", "rq", "aiohttp", "torch", "transformers", "vllm", "fakeredis"]
+    code = (
+        "import sys, statemachine, statemachine.codec, statemachine.transitions\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
