@@ -55,6 +55,7 @@ Fields = dict[str, Any]
 
 # -- arrays -------------------------------------------------------------------------------------
 
+
 def pack_array(arr: npt.NDArray[Any]) -> list[Any]:
     le = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
     return [le.str, list(arr.shape), np.ascontiguousarray(arr, dtype=le).tobytes()]
@@ -76,12 +77,15 @@ def unpack_array(packed: Any) -> npt.NDArray[Any]:
         raise ValueError("array data must be bytes")
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(data) != expected:
-        raise ValueError(f"array of shape {tuple(shape)} {dtype} needs {expected} bytes, got {len(data)}")
+        raise ValueError(
+            f"array of shape {tuple(shape)} {dtype} needs {expected} bytes, got {len(data)}"
+        )
     # frombuffer over immutable bytes: zero-copy and read-only, as events require.
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 # -- per-type fields ----------------------------------------------------------------------------
+
 
 def _attempt_fields(e: Started | Resumed) -> Fields:
     return {"attempt": e.attempt, "worker_id": e.worker_id, "weight_version": e.weight_version}
@@ -95,6 +99,7 @@ def _tokens_fields(e: TokensAppended) -> Fields:
         "logprobs": pack_array(e.logprobs),
         "weight_versions": pack_array(e.weight_versions),
         "routed_experts": None if e.routed_experts is None else pack_array(e.routed_experts),
+        "nonfinite_logprobs": e.nonfinite_logprobs,
     }
 
 
@@ -107,6 +112,7 @@ def _tokens_from(f: Fields) -> Fields:
         "logprobs": unpack_array(f["logprobs"]),
         "weight_versions": unpack_array(f["weight_versions"]),
         "routed_experts": None if routes is None else unpack_array(routes),
+        "nonfinite_logprobs": f["nonfinite_logprobs"],
     }
 
 
@@ -114,7 +120,8 @@ def _tokens_from(f: Fields) -> Fields:
 _Codec = tuple[type[Event], int, Callable[[Any], Fields], Callable[[Fields], Fields]]
 REGISTRY: dict[str, _Codec] = {
     "submitted": (
-        Submitted, 1,
+        Submitted,
+        1,
         lambda e: {"request": e.request.to_dict(), "submitted_at": e.submitted_at},
         lambda f: {
             "request": RolloutRequest.from_dict(f["request"]),
@@ -125,14 +132,17 @@ REGISTRY: dict[str, _Codec] = {
     "resumed": (Resumed, 1, _attempt_fields, dict),
     "tokens_appended": (TokensAppended, 1, _tokens_fields, _tokens_from),
     "aborted": (
-        Aborted, 1,
+        Aborted,
+        1,
         lambda e: {"attempt": e.attempt, "reason": e.reason.value, "detail": e.detail},
         lambda f: {**f, "reason": AbortReason(f["reason"])},
     ),
     "finished": (
-        Finished, 1,
+        Finished,
+        1,
         lambda e: {
-            "attempt": e.attempt, "finish_reason": e.finish_reason.value,
+            "attempt": e.attempt,
+            "finish_reason": e.finish_reason.value,
             "stop_reason": e.stop_reason,
         },
         lambda f: {**f, "finish_reason": FinishReason(f["finish_reason"])},
@@ -147,6 +157,7 @@ UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {}
 
 
 # -- events -------------------------------------------------------------------------------------
+
 
 def encode(event: Event) -> bytes:
     name = _NAME_OF[type(event)]
@@ -165,11 +176,13 @@ def decode(record: bytes, *, rollout_id: str | None = None, seq: int | None = No
         name, version, rid, eseq, fields = _unpack(body)
     except (TypeError, ValueError):
         # Intact checksum but not a 5-element list: written by something that is not us.
-        raise CorruptRecord("record is not [type, version, id, seq, fields]",
-                            rollout_id=rollout_id, seq=seq) from None
+        raise CorruptRecord(
+            "record is not [type, version, id, seq, fields]", rollout_id=rollout_id, seq=seq
+        ) from None
     if (rollout_id is not None and rid != rollout_id) or (seq is not None and eseq != seq):
-        raise CorruptRecord(f"record says rollout {rid!r} event #{eseq}",
-                            rollout_id=rollout_id, seq=seq)
+        raise CorruptRecord(
+            f"record says rollout {rid!r} event #{eseq}", rollout_id=rollout_id, seq=seq
+        )
     entry = REGISTRY.get(name) if isinstance(name, str) else None
     if entry is None:
         raise UnknownEventType(f"unknown event type {name!r}", rollout_id=rid, seq=eseq)
@@ -187,7 +200,9 @@ def decode(record: bytes, *, rollout_id: str | None = None, seq: int | None = No
 def _upcast(name: str, version: int, current: int, fields: Fields, rid: Any, seq: Any) -> Fields:
     if version > current:
         raise UnsupportedSchema(
-            f"{name} schema v{version} is newer than this code (v{current})", rollout_id=rid, seq=seq
+            f"{name} schema v{version} is newer than this code (v{current})",
+            rollout_id=rid,
+            seq=seq,
         )
     while version < current:
         step = UPCASTERS.get((name, version))
@@ -203,14 +218,23 @@ def _upcast(name: str, version: int, current: int, fields: Fields, rid: Any, seq
 # the token data in the log's TokensAppended records, so nothing is stored twice and a
 # snapshot update stays a few dozen bytes however long the prompt or the rollout.
 
+
 def encode_snapshot(state: RolloutState) -> bytes:
     body = msgpack.packb(
         [
-            SNAPSHOT_SCHEMA, state.rollout_id, state.seq, state.status.value, state.attempt,
-            state.worker_id, state.weight_version, state.num_tokens, state.aborts,
+            SNAPSHOT_SCHEMA,
+            state.rollout_id,
+            state.seq,
+            state.status.value,
+            state.attempt,
+            state.worker_id,
+            state.weight_version,
+            state.num_tokens,
+            state.aborts,
             None if state.abort_reason is None else state.abort_reason.value,
             None if state.finish_reason is None else state.finish_reason.value,
-            state.stop_reason, state.error,
+            state.stop_reason,
+            state.error,
         ],
         use_bin_type=True,
     )
@@ -227,8 +251,21 @@ def decode_snapshot(
     rollout_id = submitted.rollout_id
     body = _unframe(SNAPSHOT_MAGIC, record, rollout_id, None)
     try:
-        (version, rid, seq, status, attempt, worker_id, weight_version, num_tokens, aborts,
-         abort_reason, finish_reason, stop_reason, error) = _unpack(body)
+        (
+            version,
+            rid,
+            seq,
+            status,
+            attempt,
+            worker_id,
+            weight_version,
+            num_tokens,
+            aborts,
+            abort_reason,
+            finish_reason,
+            stop_reason,
+            error,
+        ) = _unpack(body)
     except (TypeError, ValueError):
         # Wrong arity: the head was not written by this code.
         raise CorruptRecord("bad snapshot layout", rollout_id=rollout_id) from None
@@ -238,12 +275,21 @@ def decode_snapshot(
         raise CorruptRecord(f"snapshot says rollout {rid!r}", rollout_id=rollout_id)
     try:
         return RolloutState(
-            rollout_id=rid, seq=seq, status=Status(status), request=submitted.request,
-            submitted_at=submitted.submitted_at, attempt=attempt, worker_id=worker_id,
-            weight_version=weight_version, num_tokens=num_tokens, chunks=chunks, aborts=aborts,
+            rollout_id=rid,
+            seq=seq,
+            status=Status(status),
+            request=submitted.request,
+            submitted_at=submitted.submitted_at,
+            attempt=attempt,
+            worker_id=worker_id,
+            weight_version=weight_version,
+            num_tokens=num_tokens,
+            chunks=chunks,
+            aborts=aborts,
             abort_reason=None if abort_reason is None else AbortReason(abort_reason),
             finish_reason=None if finish_reason is None else FinishReason(finish_reason),
-            stop_reason=stop_reason, error=error,
+            stop_reason=stop_reason,
+            error=error,
         )
     except ValueError as exc:
         # An enum value this code does not know.
@@ -252,21 +298,24 @@ def decode_snapshot(
 
 # -- framing ------------------------------------------------------------------------------------
 
+
 def _frame(magic: bytes, body: bytes) -> bytes:
     return magic + zlib.crc32(body).to_bytes(4, "little") + body
 
 
 def _unframe(magic: bytes, record: bytes, rollout_id: str | None, seq: int | None) -> bytes:
     if not isinstance(record, bytes | bytearray | memoryview):
-        raise CorruptRecord(f"record is {type(record).__name__}, not bytes",
-                            rollout_id=rollout_id, seq=seq)
+        raise CorruptRecord(
+            f"record is {type(record).__name__}, not bytes", rollout_id=rollout_id, seq=seq
+        )
     record = bytes(record)
     if len(record) < 6 or record[:1] != magic:
         raise CorruptRecord("truncated record or wrong magic byte", rollout_id=rollout_id, seq=seq)
     body = record[5:]
     if zlib.crc32(body) != int.from_bytes(record[1:5], "little"):
-        raise CorruptRecord("checksum mismatch: record damaged or truncated",
-                            rollout_id=rollout_id, seq=seq)
+        raise CorruptRecord(
+            "checksum mismatch: record damaged or truncated", rollout_id=rollout_id, seq=seq
+        )
     return body
 
 

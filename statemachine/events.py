@@ -67,6 +67,8 @@ class TokensAppended(Event):
 
     ``weight_versions`` has one entry per token: the weights that sampled it.
     ``routed_experts`` is ``[tokens, moe_layers, top_k]`` for MoE models, else None.
+    ``nonfinite_logprobs`` counts logprobs the engine returned as NaN/inf, which the worker
+    stored as ``LOGPROB_FLOOR`` instead (so the trainer can tell a clamped value from a real one).
     """
 
     attempt: int
@@ -75,6 +77,7 @@ class TokensAppended(Event):
     logprobs: npt.NDArray[np.float32]
     weight_versions: npt.NDArray[np.int64]
     routed_experts: npt.NDArray[Any] | None = None
+    nonfinite_logprobs: int = 0
 
     def __post_init__(self) -> None:
         Event.__post_init__(self)
@@ -106,8 +109,8 @@ class TokensAppended(Event):
         if not isinstance(other, TokensAppended):
             return NotImplemented
         return (
-            (self.rollout_id, self.seq, self.attempt, self.offset)
-            == (other.rollout_id, other.seq, other.attempt, other.offset)
+            (self.rollout_id, self.seq, self.attempt, self.offset, self.nonfinite_logprobs)
+            == (other.rollout_id, other.seq, other.attempt, other.offset, other.nonfinite_logprobs)
             and _same(self.token_ids, other.token_ids)
             # Compare logprobs bit for bit: NaN must equal NaN and -0.0 must not equal 0.0
             # for a round trip to count as exact.

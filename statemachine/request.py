@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +146,8 @@ def _check_float(
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"{name} must be a number, got {value!r}")
     v = float(value)
-    if v != v or (low_open and v <= low) or v < low or (high is not None and v > high):
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high if high is not None else 'inf'})"
+    if math.isnan(v) or (low_open and v <= low) or v < low or (high is not None and v > high):
+        bound = (
+            f"({low}, {high}]" if low_open else f"[{low}, {high if high is not None else 'inf'})"
+        )
         raise InvalidRequest(f"{name} must be in {bound}, got {value!r}")

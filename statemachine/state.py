@@ -71,6 +71,11 @@ class RolloutState:
         widest = max((r.dtype for r in routes), key=lambda d: d.itemsize)
         return np.concatenate([r.astype(widest, copy=False) for r in routes])
 
+    @property
+    def nonfinite_logprobs(self) -> int:
+        """How many logprobs were NaN/inf from the engine and stored as the floor."""
+        return sum(c.nonfinite_logprobs for c in self.chunks)
+
     # -- what a resume needs ------------------------------------------------------------------
     @property
     def remaining_tokens(self) -> int:
@@ -87,5 +92,7 @@ class RolloutState:
         if remaining < 1:
             raise ValueError(f"rollout {self.rollout_id!r} has no token budget left")
         return replace(
-            s, max_tokens=remaining, min_tokens=min(remaining, max(0, s.min_tokens - self.num_tokens))
+            s,
+            max_tokens=remaining,
+            min_tokens=min(remaining, max(0, s.min_tokens - self.num_tokens)),
         )

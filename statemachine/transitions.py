@@ -51,7 +51,14 @@ TRANSITIONS: dict[tuple[Status | None, type[Event]], Status] = {
 }
 
 EVENT_TYPES: tuple[type[Event], ...] = (
-    Submitted, Started, TokensAppended, Aborted, Resumed, Finished, Failed, Cancelled,
+    Submitted,
+    Started,
+    TokensAppended,
+    Aborted,
+    Resumed,
+    Finished,
+    Failed,
+    Cancelled,
 )
 
 
@@ -60,18 +67,18 @@ def apply(state: RolloutState | None, event: Event) -> RolloutState:
     before = state.status if state is not None else None
     if state is not None and event.rollout_id != state.rollout_id:
         raise IllegalTransition(
-            event.rollout_id, event.seq, f"event belongs to {event.rollout_id!r}, "
-            f"state to {state.rollout_id!r}"
+            event.rollout_id,
+            event.seq,
+            f"event belongs to {event.rollout_id!r}, state to {state.rollout_id!r}",
         )
     expected_seq = state.seq + 1 if state is not None else 1
     if event.seq != expected_seq:
-        raise SequenceGap(
-            event.rollout_id, event.seq, f"expected sequence number {expected_seq}"
-        )
+        raise SequenceGap(event.rollout_id, event.seq, f"expected sequence number {expected_seq}")
     after = TRANSITIONS.get((before, type(event)))
     if after is None:
         raise IllegalTransition(
-            event.rollout_id, event.seq,
+            event.rollout_id,
+            event.seq,
             f"{type(event).__name__} is not allowed in state {before or 'new'}",
         )
     return _MUTATORS[type(event)](state, event, after)
@@ -85,10 +92,14 @@ def fold(events: Iterable[Event], state: RolloutState | None = None) -> RolloutS
 
 # -- one mutator per event type: check the event against the state, return the new state ----
 
+
 def _submitted(_: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert isinstance(e, Submitted)
     return RolloutState(
-        rollout_id=e.rollout_id, seq=e.seq, status=after, request=e.request,
+        rollout_id=e.rollout_id,
+        seq=e.seq,
+        status=after,
+        request=e.request,
         submitted_at=e.submitted_at,
     )
 
@@ -97,8 +108,13 @@ def _begun(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Started | Resumed)
     _expect_attempt(s, e, e.attempt, s.attempt + 1)
     return replace(
-        s, seq=e.seq, status=after, attempt=e.attempt, worker_id=e.worker_id,
-        weight_version=e.weight_version, abort_reason=None,
+        s,
+        seq=e.seq,
+        status=after,
+        attempt=e.attempt,
+        worker_id=e.worker_id,
+        weight_version=e.weight_version,
+        abort_reason=None,
     )
 
 
@@ -112,7 +128,8 @@ def _tokens(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     n = len(e)
     if s.num_tokens + n > s.request.sampling.max_tokens:
         raise BudgetExceeded(
-            e.rollout_id, e.seq,
+            e.rollout_id,
+            e.seq,
             f"{s.num_tokens} + {n} tokens exceed max_tokens {s.request.sampling.max_tokens}",
         )
     return replace(s, seq=e.seq, status=after, num_tokens=s.num_tokens + n, chunks=(*s.chunks, e))

@@ -15,6 +15,13 @@ from store.event_store import EventStore
 from store.keys import Keys
 
 __all__ = [
-    "AppendRefused", "EventStore", "InvalidRolloutId", "Keys", "RolloutExists",
-    "RolloutNotFound", "SequenceConflict", "StaleAttempt", "StoreError",
+    "AppendRefused",
+    "EventStore",
+    "InvalidRolloutId",
+    "Keys",
+    "RolloutExists",
+    "RolloutNotFound",
+    "SequenceConflict",
+    "StaleAttempt",
+    "StoreError",
 ]

@@ -53,7 +53,7 @@ class _Prepared:
 class EventStore:
     def __init__(self, client: Redis, keys: Keys | None = None) -> None:
         # Records are binary: a client that decodes responses would mangle them.
-        if client.get_encoder().decode_responses:
+        if client.get_encoder().decode_responses:  # type: ignore[no-untyped-call]
             raise ValueError("EventStore needs a Redis client with decode_responses=False")
         self.redis = client
         self.keys = keys or Keys()
@@ -107,7 +107,7 @@ class EventStore:
         """The current state, from the snapshot; token data from the log's token records."""
         async with self.redis.pipeline(transaction=True) as pipe:
             # One MULTI so the head and the log are read at the same instant.
-            pipe.hmget(self.keys.snapshot(rollout_id), "head", "sub")
+            pipe.hmget(self.keys.snapshot(rollout_id), ["head", "sub"])
             pipe.xrange(self.keys.log(rollout_id))
             (head, sub), entries = await pipe.execute()
         if head is None or sub is None:
@@ -122,7 +122,9 @@ class EventStore:
         if sum(len(c) for c in chunks) != state.num_tokens:
             raise CorruptRecord(
                 f"snapshot counts {state.num_tokens} tokens, the log holds "
-                f"{sum(len(c) for c in chunks)}", rollout_id=rollout_id, seq=state.seq,
+                f"{sum(len(c) for c in chunks)}",
+                rollout_id=rollout_id,
+                seq=state.seq,
             )
         return state
 
@@ -139,7 +141,8 @@ class EventStore:
         return _decode_entries(rollout_id, await self.redis.xrange(self.keys.log(rollout_id)))
 
     async def exists(self, rollout_id: str) -> bool:
-        return bool(await self.redis.hexists(self.keys.snapshot(rollout_id), "head"))
+        found: int = await self.redis.hexists(self.keys.snapshot(rollout_id), "head")  # type: ignore[misc]
+        return bool(found)
 
 
 def _decode_entries(rollout_id: str, entries: list[Any]) -> list[Event]:

@@ -33,11 +33,15 @@ class Script:
 
     async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[Arg]) -> Any:
         try:
-            return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            return await client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", self.sha, len(keys), *keys, *args
+            )
         except NoScriptError:
             # The server has not seen it yet (or restarted): load, then run it once more.
             await client.script_load(self.text)
-            return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            return await client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", self.sha, len(keys), *keys, *args
+            )
 
     async def many(
         self, client: Redis, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]]

@@ -45,9 +45,19 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir), "--save", "", "--daemonize", "no",
-            "--logfile", str(self.data_dir / "redis.log"),
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
         ]
         for key, value in self.config.items():
             args += [f"--{key}", value]

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from statemachine import (
-    AbortReason,
     Aborted,
+    AbortReason,
     CodecError,
     CorruptRecord,
     Event,
@@ -29,12 +29,18 @@ ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, ma
 def token_events(draw: st.DrawFn) -> TokensAppended:
     n = draw(st.integers(1, 64))
     experts = draw(st.sampled_from([2, 8, 128, 255, 256, 300, 65535, 65536, 100_000]))
-    routes = draw(st.none() | hnp.arrays(
-        np.int64, (n, draw(st.integers(1, 4)), draw(st.integers(1, 8))),
-        elements=st.integers(0, experts - 1),
-    ))
+    routes = draw(
+        st.none()
+        | hnp.arrays(
+            np.int64,
+            (n, draw(st.integers(1, 4)), draw(st.integers(1, 8))),
+            elements=st.integers(0, experts - 1),
+        )
+    )
     return TokensAppended(
-        rollout_id=draw(ids), seq=draw(st.integers(1, 2**40)), attempt=draw(st.integers(1, 99)),
+        rollout_id=draw(ids),
+        seq=draw(st.integers(1, 2**40)),
+        attempt=draw(st.integers(1, 99)),
         offset=draw(st.integers(0, 2**31)),
         token_ids=draw(hnp.arrays(np.int32, n, elements=st.integers(0, 2**31 - 1))),
         # Any float32 bit pattern, NaN and infinities included: the codec stores, never judges.
@@ -47,14 +53,22 @@ def token_events(draw: st.DrawFn) -> TokensAppended:
 def other_events() -> st.SearchStrategy[Event]:
     s = f.submitted()
     from statemachine import apply
+
     st0 = apply(None, s)
     st1 = apply(st0, f.started(st0))
-    return st.sampled_from([
-        s, f.started(st0), f.tokens(st1, routes=True), f.aborted(st1, AbortReason.SHUTDOWN),
-        f.finished(st1), f.failed(st1, "CUDA out of memory: ünïcode ok"), f.cancelled(st1),
-        f.resumed(apply(st1, f.aborted(st1))),
-        f.submitted(max_tokens=5, stop=("</s>",), stop_token_ids=(2,), seed=7, temperature=0.0),
-    ])
+    return st.sampled_from(
+        [
+            s,
+            f.started(st0),
+            f.tokens(st1, routes=True),
+            f.aborted(st1, AbortReason.SHUTDOWN),
+            f.finished(st1),
+            f.failed(st1, "CUDA out of memory: ünïcode ok"),
+            f.cancelled(st1),
+            f.resumed(apply(st1, f.aborted(st1))),
+            f.submitted(max_tokens=5, stop=("</s>",), stop_token_ids=(2,), seed=7, temperature=0.0),
+        ]
+    )
 
 
 events = token_events() | other_events()
@@ -113,29 +127,58 @@ def test_errors_name_the_rollout_and_sequence() -> None:
 def _forge(body: list) -> bytes:
     """A record with a valid checksum around an arbitrary body: what a buggy writer makes."""
     import zlib
+
     packed = msgpack.packb(body, use_bin_type=True)
     return b"R" + zlib.crc32(packed).to_bytes(4, "little") + packed
 
 
 def test_unknown_type_and_future_schema_are_named() -> None:
-    with pytest.raises(UnknownEventType, match="rollout 'r' event #3: unknown event type 'teleported'"):
+    with pytest.raises(
+        UnknownEventType, match="rollout 'r' event #3: unknown event type 'teleported'"
+    ):
         codec.decode(_forge(["teleported", 1, "r", 3, {}]))
     with pytest.raises(UnsupportedSchema, match="v9 is newer"):
         codec.decode(_forge(["cancelled", 9, "r", 3, {"reason": ""}]))
     with pytest.raises(CorruptRecord, match="bad aborted fields"):
         codec.decode(_forge(["aborted", 1, "r", 3, {"attempt": 1, "reason": "meteor"}]))
-    with pytest.raises(CorruptRecord):
-        codec.decode(_forge(["tokens_appended", 1, "r", 3, {
-            "attempt": 1, "offset": 0, "token_ids": ["<i4", [3], b"\x00" * 8],
-            "logprobs": ["<f4", [3], b"\x00" * 12], "weight_versions": ["<i8", [3], b"\x00" * 24],
-            "routed_experts": None,
-        }]))
+    with pytest.raises(CorruptRecord, match="needs 12 bytes, got 8"):
+        codec.decode(
+            _forge(
+                [
+                    "tokens_appended",
+                    1,
+                    "r",
+                    3,
+                    {
+                        "attempt": 1,
+                        "offset": 0,
+                        "token_ids": ["<i4", [3], b"\x00" * 8],
+                        "logprobs": ["<f4", [3], b"\x00" * 12],
+                        "weight_versions": ["<i8", [3], b"\x00" * 24],
+                        "routed_experts": None,
+                    },
+                ]
+            )
+        )
     with pytest.raises(CorruptRecord, match="not allowed"):
-        codec.decode(_forge(["tokens_appended", 1, "r", 3, {
-            "attempt": 1, "offset": 0, "token_ids": ["|O", [1], b"\x00" * 8],
-            "logprobs": ["<f4", [1], b"\x00" * 4], "weight_versions": ["<i8", [1], b"\x00" * 8],
-            "routed_experts": None,
-        }]))
+        codec.decode(
+            _forge(
+                [
+                    "tokens_appended",
+                    1,
+                    "r",
+                    3,
+                    {
+                        "attempt": 1,
+                        "offset": 0,
+                        "token_ids": ["|O", [1], b"\x00" * 8],
+                        "logprobs": ["<f4", [1], b"\x00" * 4],
+                        "weight_versions": ["<i8", [1], b"\x00" * 8],
+                        "routed_experts": None,
+                    },
+                ]
+            )
+        )
 
 
 def test_old_schema_is_upcast_by_a_named_function(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,6 +200,7 @@ def test_old_schema_is_upcast_by_a_named_function(monkeypatch: pytest.MonkeyPatc
 
 def test_no_pickle_anywhere() -> None:
     import pathlib
+
     root = pathlib.Path(__file__).resolve().parents[2]
     for pkg in ("statemachine", "store", "workers"):
         for path in (root / pkg).rglob("*.py"):

@@ -13,13 +13,13 @@ from statemachine import (
     Aborted,
     AbortReason,
     Cancelled,
+    Event,
     Failed,
     Finished,
-    Resumed,
-    Started,
-    Event,
     FinishReason,
+    Resumed,
     RolloutState,
+    Started,
     Status,
     Submitted,
     TokensAppended,
@@ -31,13 +31,23 @@ from statemachine import (
 from tests import factories as f
 
 # Weighted so that long, interesting histories are common: terminal events are rare.
-KINDS = (["tokens"] * 10 + ["started", "resumed"] * 3 + ["aborted"] * 3
-         + ["submitted", "finished", "failed", "cancelled"])
+KINDS = (
+    ["tokens"] * 10
+    + ["started", "resumed"] * 3
+    + ["aborted"] * 3
+    + ["submitted", "finished", "failed", "cancelled"]
+)
 
 
 _TYPE_OF = {
-    "submitted": Submitted, "started": Started, "resumed": Resumed, "tokens": TokensAppended,
-    "aborted": Aborted, "finished": Finished, "failed": Failed, "cancelled": Cancelled,
+    "submitted": Submitted,
+    "started": Started,
+    "resumed": Resumed,
+    "tokens": TokensAppended,
+    "aborted": Aborted,
+    "finished": Finished,
+    "failed": Failed,
+    "cancelled": Cancelled,
 }
 
 
@@ -61,16 +71,25 @@ def candidate(draw: st.DrawFn, state: RolloutState | None) -> Event:
     if kind == "tokens":
         n = draw(st.integers(1, 6))
         return f.tokens(
-            base, n=n, seq=seq, attempt=max(0, base.attempt + attempt_shift),
+            base,
+            n=n,
+            seq=seq,
+            attempt=max(0, base.attempt + attempt_shift),
             offset=max(0, base.num_tokens + draw(st.sampled_from([0, 0, 0, 0, 1, -1]))),
-            version=draw(st.integers(0, 3)), routes=draw(st.booleans()),
+            version=draw(st.integers(0, 3)),
+            routes=draw(st.booleans()),
         )
     if kind == "aborted":
-        e = f.aborted(base, draw(st.sampled_from(list(AbortReason))),
-                      attempt=max(0, base.attempt + attempt_shift))
+        e = f.aborted(
+            base,
+            draw(st.sampled_from(list(AbortReason))),
+            attempt=max(0, base.attempt + attempt_shift),
+        )
     elif kind == "finished":
-        e = dataclasses.replace(f.finished(base, draw(st.sampled_from(list(FinishReason)))),
-                                attempt=max(0, base.attempt + attempt_shift))
+        e = dataclasses.replace(
+            f.finished(base, draw(st.sampled_from(list(FinishReason)))),
+            attempt=max(0, base.attempt + attempt_shift),
+        )
     elif kind == "failed":
         e = f.failed(base)
     else:
@@ -81,9 +100,7 @@ def candidate(draw: st.DrawFn, state: RolloutState | None) -> Event:
 def check_invariants(s: RolloutState) -> None:
     assert s.num_tokens == sum(len(c) for c in s.chunks) == s.token_ids.shape[0]
     assert s.num_tokens <= s.request.sampling.max_tokens
-    assert [c.offset for c in s.chunks] == list(
-        np.cumsum([0] + [len(c) for c in s.chunks])[:-1]
-    )
+    assert [c.offset for c in s.chunks] == list(np.cumsum([0] + [len(c) for c in s.chunks])[:-1])
     assert s.logprobs.shape == s.weight_versions.shape == s.token_ids.shape
     if s.routed_experts is not None:
         assert s.routed_experts.shape[0] == sum(

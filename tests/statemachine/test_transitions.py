@@ -58,8 +58,12 @@ def event_for(state: RolloutState | None, event_type: type) -> object:
     """An event of ``event_type`` that is well-formed for ``state`` in every respect but the
     transition itself, so the table alone decides whether it is accepted."""
     if event_type.__name__ == "Submitted":
-        return f.submitted() if state is None else f.submitted().__class__(
-            rollout_id=state.rollout_id, seq=state.seq + 1, request=state.request
+        return (
+            f.submitted()
+            if state is None
+            else f.submitted().__class__(
+                rollout_id=state.rollout_id, seq=state.seq + 1, request=state.request
+            )
         )
     if state is None:
         # No rollout yet: the same event as for a pending one, but as the very first record.
@@ -129,8 +133,10 @@ def test_offset_budget_and_attempt_checks() -> None:
         apply(full, f.aborted(full, attempt=0))
     bad_start = f.started(state_in(Status.PENDING))  # type: ignore[arg-type]
     with pytest.raises(AttemptMismatch):
-        apply(state_in(Status.PENDING), bad_start.__class__(
-            rollout_id="r1", seq=2, attempt=2, worker_id="w", weight_version=0))
+        apply(
+            state_in(Status.PENDING),
+            bad_start.__class__(rollout_id="r1", seq=2, attempt=2, worker_id="w", weight_version=0),
+        )
 
 
 def test_derived_values_across_an_abort_and_resume() -> None:
@@ -168,11 +174,21 @@ def test_events_refuse_malformed_arrays() -> None:
     with pytest.raises(InvalidEvent):
         TokensAppended(**base, token_ids=[1.5], logprobs=[-1.0], weight_versions=[0])
     with pytest.raises(InvalidEvent):
-        TokensAppended(**base, token_ids=[1], logprobs=[-1.0], weight_versions=[0],
-                       routed_experts=np.zeros((2, 1, 1), dtype=np.uint8))
+        TokensAppended(
+            **base,
+            token_ids=[1],
+            logprobs=[-1.0],
+            weight_versions=[0],
+            routed_experts=np.zeros((2, 1, 1), dtype=np.uint8),
+        )
     with pytest.raises(InvalidEvent):
-        TokensAppended(**base, token_ids=[1], logprobs=[-1.0], weight_versions=[0],
-                       routed_experts=np.full((1, 1, 1), -3))
+        TokensAppended(
+            **base,
+            token_ids=[1],
+            logprobs=[-1.0],
+            weight_versions=[0],
+            routed_experts=np.full((1, 1, 1), -3),
+        )
 
 
 def test_events_are_immutable_including_their_arrays() -> None:
@@ -189,9 +205,15 @@ def test_events_are_immutable_including_their_arrays() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"max_tokens": 0}, {"max_tokens": 4, "min_tokens": 5}, {"max_tokens": 4, "temperature": -1},
-        {"max_tokens": 4, "top_p": 0.0}, {"max_tokens": 4, "top_p": 1.5}, {"max_tokens": 4, "top_k": -2},
-        {"max_tokens": True}, {"max_tokens": 4, "stop": ("",)}, {"max_tokens": 4, "stop_token_ids": (-1,)},
+        {"max_tokens": 0},
+        {"max_tokens": 4, "min_tokens": 5},
+        {"max_tokens": 4, "temperature": -1},
+        {"max_tokens": 4, "top_p": 0.0},
+        {"max_tokens": 4, "top_p": 1.5},
+        {"max_tokens": 4, "top_k": -2},
+        {"max_tokens": True},
+        {"max_tokens": 4, "stop": ("",)},
+        {"max_tokens": 4, "stop_token_ids": (-1,)},
         {"max_tokens": 4, "temperature": float("nan")},
     ],
 )
@@ -209,7 +231,9 @@ def test_bad_requests_are_refused() -> None:
     with pytest.raises(InvalidRequest):
         RolloutRequest(prompt_token_ids=(1,), sampling=sp, metadata={"x": [1, 2]})  # type: ignore[dict-item]
     with pytest.raises(InvalidRequest, match="unknown sampling"):
-        RolloutRequest.from_dict({"prompt_token_ids": [1], "sampling": {"max_tokens": 2, "tempreature": 1}})
+        RolloutRequest.from_dict(
+            {"prompt_token_ids": [1], "sampling": {"max_tokens": 2, "tempreature": 1}}
+        )
     with pytest.raises(InvalidRequest, match="missing"):
         RolloutRequest.from_dict({"sampling": {"max_tokens": 2}})
 
