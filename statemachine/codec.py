@@ -3,7 +3,7 @@
 Record layout (bytes)::
 
     b"R" | crc32(body) as 4 bytes little-endian | body
-    body = msgpack [type_name, schema_version, rollout_id, seq, {field: value}]
+    body = msgpack [type_name, schema_version, rollout_id, seq, at, {field: value}]
 
 Arrays travel as ``[dtype, shape, raw little-endian bytes]``, never as nested lists. The CRC
 is there so that damaged bytes are always refused: msgpack alone would happily decode a flipped
@@ -122,11 +122,8 @@ REGISTRY: dict[str, _Codec] = {
     "submitted": (
         Submitted,
         1,
-        lambda e: {"request": e.request.to_dict(), "submitted_at": e.submitted_at},
-        lambda f: {
-            "request": RolloutRequest.from_dict(f["request"]),
-            "submitted_at": float(f["submitted_at"]),
-        },
+        lambda e: {"request": e.request.to_dict()},
+        lambda f: {"request": RolloutRequest.from_dict(f["request"])},
     ),
     "started": (Started, 1, _attempt_fields, dict),
     "resumed": (Resumed, 1, _attempt_fields, dict),
@@ -163,7 +160,8 @@ def encode(event: Event) -> bytes:
     name = _NAME_OF[type(event)]
     _, version, to_fields, _ = REGISTRY[name]
     body = msgpack.packb(
-        [name, version, event.rollout_id, event.seq, to_fields(event)], use_bin_type=True
+        [name, version, event.rollout_id, event.seq, event.at, to_fields(event)],
+        use_bin_type=True,
     )
     return _frame(EVENT_MAGIC, body)
 
@@ -173,11 +171,11 @@ def decode(record: bytes, *, rollout_id: str | None = None, seq: int | None = No
     and to catch a record that is intact but stored under the wrong key or position."""
     body = _unframe(EVENT_MAGIC, record, rollout_id, seq)
     try:
-        name, version, rid, eseq, fields = _unpack(body)
+        name, version, rid, eseq, at, fields = _unpack(body)
     except (TypeError, ValueError):
-        # Intact checksum but not a 5-element list: written by something that is not us.
+        # Intact checksum but not a 6-element list: written by something that is not us.
         raise CorruptRecord(
-            "record is not [type, version, id, seq, fields]", rollout_id=rollout_id, seq=seq
+            "record is not [type, version, id, seq, at, fields]", rollout_id=rollout_id, seq=seq
         ) from None
     if (rollout_id is not None and rid != rollout_id) or (seq is not None and eseq != seq):
         raise CorruptRecord(
@@ -187,14 +185,18 @@ def decode(record: bytes, *, rollout_id: str | None = None, seq: int | None = No
     if entry is None:
         raise UnknownEventType(f"unknown event type {name!r}", rollout_id=rid, seq=eseq)
     cls, current, _, from_fields = entry
-    if not isinstance(version, int) or not isinstance(fields, dict):
+    if not isinstance(version, int) or not isinstance(fields, dict) or not _is_time(at):
         raise CorruptRecord("bad schema version or fields", rollout_id=rid, seq=eseq)
     fields = _upcast(name, version, current, fields, rid, eseq)
     try:
-        return cls(rollout_id=rid, seq=eseq, **from_fields(fields))
+        return cls(rollout_id=rid, seq=eseq, at=float(at), **from_fields(fields))
     except (KeyError, TypeError, ValueError, StateMachineError) as exc:
         # A missing or ill-typed field, or values the event itself refuses.
         raise CorruptRecord(f"bad {name} fields: {exc}", rollout_id=rid, seq=eseq) from None
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _upcast(name: str, version: int, current: int, fields: Fields, rid: Any, seq: Any) -> Fields:
@@ -279,7 +281,7 @@ def decode_snapshot(
             seq=seq,
             status=Status(status),
             request=submitted.request,
-            submitted_at=submitted.submitted_at,
+            submitted_at=submitted.at,
             attempt=attempt,
             worker_id=worker_id,
             weight_version=weight_version,
@@ -294,6 +296,17 @@ def decode_snapshot(
     except ValueError as exc:
         # An enum value this code does not know.
         raise CorruptRecord(f"bad snapshot: {exc}", rollout_id=rollout_id, seq=seq) from None
+
+
+def snapshot_status(record: bytes, *, rollout_id: str | None = None) -> str:
+    """Just the status of a snapshot head, without building the state (for cheap polling)."""
+    body = _unframe(SNAPSHOT_MAGIC, record, rollout_id, None)
+    try:
+        status = _unpack(body)[3]
+        return Status(status).value
+    except (TypeError, ValueError, IndexError):
+        # Not a head this code wrote.
+        raise CorruptRecord("bad snapshot layout", rollout_id=rollout_id) from None
 
 
 # -- framing ------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ from statemachine.states import AbortReason, FinishReason
 class Event:
     rollout_id: str
     seq: int
+    # Unix time the writer recorded it: for people and metrics, never for decisions (clocks
+    # of different machines disagree; ``seq`` orders a rollout's events).
+    at: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollout_id, str) or not self.rollout_id:
@@ -40,7 +43,6 @@ class Event:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Submitted(Event):
     request: RolloutRequest
-    submitted_at: float = 0.0  # unix time; informational, never used for decisions
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -100,7 +100,7 @@ def _submitted(_: RolloutState | None, e: Event, after: Status) -> RolloutState:
         seq=e.seq,
         status=after,
         request=e.request,
-        submitted_at=e.submitted_at,
+        submitted_at=e.at,
     )
 
 

@@ -30,7 +30,7 @@ from statemachine import (
     codec,
     fence_of,
 )
-from statemachine.errors import CorruptRecord
+from statemachine.errors import CorruptRecord, TransitionError
 from store import scripts
 from store.errors import (
     AppendRefused,
@@ -70,20 +70,42 @@ class EventStore:
         return p.state
 
     async def append_many(
-        self, items: Sequence[tuple[RolloutState | None, Event]]
-    ) -> list[RolloutState | AppendRefused]:
-        """Append to many rollouts in one round trip (a worker's checkpoint of all its
-        in-flight rollouts). Each item succeeds or is refused on its own; a refusal is
-        returned in its place, not raised. Illegal events raise before anything is sent."""
-        prepared = [self._prepare(s, e) for s, e in items]
-        if not prepared:
-            return []
-        replies = await scripts.APPEND.many(self.redis, [(p.keys, p.args) for p in prepared])
-        out: list[RolloutState | AppendRefused] = []
-        for p, reply in zip(prepared, replies, strict=True):
-            error = _refusal(reply, p.event)
-            out.append(p.state if error is None else error)
-        return out
+        self, chains: Sequence[tuple[RolloutState | None, Sequence[Event]]]
+    ) -> list[RolloutState | AppendRefused | TransitionError]:
+        """Append chains of events, each chain on one rollout from the state its caller holds,
+        all in one round trip (a worker's checkpoint of every rollout it runs).
+
+        Each chain succeeds or fails on its own: its result is the state after its last event,
+        or the first refusal (an illegal event is never sent; after a refusal the rest of the
+        chain is refused too, since every later event names a sequence number after it).
+        """
+        results: list[RolloutState | AppendRefused | TransitionError] = []
+        calls: list[_Prepared] = []
+        spans: list[tuple[int, int]] = []
+        for state, events in chains:
+            start = len(calls)
+            try:
+                for event in events:
+                    p = self._prepare(state, event)
+                    calls.append(p)
+                    state = p.state
+            except TransitionError as exc:
+                del calls[start:]
+                results.append(exc)
+                spans.append((start, start))
+                continue
+            if state is None:
+                raise ValueError("an empty chain needs a state")
+            results.append(state)
+            spans.append((start, len(calls)))
+        replies = await scripts.APPEND.many(self.redis, [(p.keys, p.args) for p in calls])
+        for i, (start, end) in enumerate(spans):
+            for p, reply in zip(calls[start:end], replies[start:end], strict=True):
+                error = _refusal(reply, p.event)
+                if error is not None:
+                    results[i] = error
+                    break
+        return results
 
     def _prepare(self, state: RolloutState | None, event: Event) -> _Prepared:
         new_state = apply(state, event)

@@ -23,7 +23,9 @@ from statemachine import (
 )
 
 
-def request(max_tokens: int = 16, prompt: tuple[int, ...] = (1, 2, 3), **sampling: Any) -> RolloutRequest:
+def request(
+    max_tokens: int = 16, prompt: tuple[int, ...] = (1, 2, 3), **sampling: Any
+) -> RolloutRequest:
     return RolloutRequest(
         prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling)
     )
@@ -35,26 +37,40 @@ def submitted(rid: str = "r1", max_tokens: int = 16, **kw: Any) -> Submitted:
 
 def started(s: RolloutState, worker: str = "w1", version: int = 0) -> Started:
     return Started(
-        rollout_id=s.rollout_id, seq=s.seq + 1, attempt=s.attempt + 1, worker_id=worker,
+        rollout_id=s.rollout_id,
+        seq=s.seq + 1,
+        attempt=s.attempt + 1,
+        worker_id=worker,
         weight_version=version,
     )
 
 
 def resumed(s: RolloutState, worker: str = "w2", version: int = 0) -> Resumed:
     return Resumed(
-        rollout_id=s.rollout_id, seq=s.seq + 1, attempt=s.attempt + 1, worker_id=worker,
+        rollout_id=s.rollout_id,
+        seq=s.seq + 1,
+        attempt=s.attempt + 1,
+        worker_id=worker,
         weight_version=version,
     )
 
 
 def tokens(
-    s: RolloutState, ids: list[int] | None = None, *, n: int = 4, version: int = 0,
-    routes: bool = False, attempt: int | None = None, offset: int | None = None, seq: int | None = None,
+    s: RolloutState,
+    ids: list[int] | None = None,
+    *,
+    n: int = 4,
+    version: int = 0,
+    routes: bool = False,
+    attempt: int | None = None,
+    offset: int | None = None,
+    seq: int | None = None,
 ) -> TokensAppended:
     ids = list(range(100 + s.num_tokens, 100 + s.num_tokens + n)) if ids is None else ids
     k = len(ids)
     return TokensAppended(
-        rollout_id=s.rollout_id, seq=s.seq + 1 if seq is None else seq,
+        rollout_id=s.rollout_id,
+        seq=s.seq + 1 if seq is None else seq,
         attempt=s.attempt if attempt is None else attempt,
         offset=s.num_tokens if offset is None else offset,
         token_ids=np.array(ids, dtype=np.int32),
@@ -64,9 +80,13 @@ def tokens(
     )
 
 
-def aborted(s: RolloutState, reason: AbortReason = AbortReason.WORKER_LOST, attempt: int | None = None) -> Aborted:
+def aborted(
+    s: RolloutState, reason: AbortReason = AbortReason.WORKER_LOST, attempt: int | None = None
+) -> Aborted:
     return Aborted(
-        rollout_id=s.rollout_id, seq=s.seq + 1, attempt=s.attempt if attempt is None else attempt,
+        rollout_id=s.rollout_id,
+        seq=s.seq + 1,
+        attempt=s.attempt if attempt is None else attempt,
         reason=reason,
     )
 

@@ -42,6 +42,7 @@ def token_events(draw: st.DrawFn) -> TokensAppended:
         seq=draw(st.integers(1, 2**40)),
         attempt=draw(st.integers(1, 99)),
         offset=draw(st.integers(0, 2**31)),
+        at=draw(st.floats(0, 4e9, allow_nan=False)),
         token_ids=draw(hnp.arrays(np.int32, n, elements=st.integers(0, 2**31 - 1))),
         # Any float32 bit pattern, NaN and infinities included: the codec stores, never judges.
         logprobs=draw(hnp.arrays(np.float32, n, elements=st.floats(width=32))),
@@ -89,7 +90,7 @@ def test_routes_use_smallest_dtype_and_raw_bytes(event: TokensAppended) -> None:
         expect = np.uint8 if top < 256 else np.uint16 if top < 65536 else np.uint32
         assert event.routed_experts.dtype == expect
     body = msgpack.unpackb(codec.encode(event)[5:], raw=False)
-    fields = body[4]
+    fields = body[5]
     # Arrays are [dtype, shape, bytes], not nested lists of numbers.
     assert isinstance(fields["token_ids"][2], bytes)
     assert len(fields["token_ids"][2]) == 4 * len(event)
@@ -136,11 +137,11 @@ def test_unknown_type_and_future_schema_are_named() -> None:
     with pytest.raises(
         UnknownEventType, match="rollout 'r' event #3: unknown event type 'teleported'"
     ):
-        codec.decode(_forge(["teleported", 1, "r", 3, {}]))
+        codec.decode(_forge(["teleported", 1, "r", 3, 0.0, {}]))
     with pytest.raises(UnsupportedSchema, match="v9 is newer"):
-        codec.decode(_forge(["cancelled", 9, "r", 3, {"reason": ""}]))
+        codec.decode(_forge(["cancelled", 9, "r", 3, 0.0, {"reason": ""}]))
     with pytest.raises(CorruptRecord, match="bad aborted fields"):
-        codec.decode(_forge(["aborted", 1, "r", 3, {"attempt": 1, "reason": "meteor"}]))
+        codec.decode(_forge(["aborted", 1, "r", 3, 0.0, {"attempt": 1, "reason": "meteor"}]))
     with pytest.raises(CorruptRecord, match="needs 12 bytes, got 8"):
         codec.decode(
             _forge(
@@ -149,6 +150,7 @@ def test_unknown_type_and_future_schema_are_named() -> None:
                     1,
                     "r",
                     3,
+                    0.0,
                     {
                         "attempt": 1,
                         "offset": 0,
@@ -168,6 +170,7 @@ def test_unknown_type_and_future_schema_are_named() -> None:
                     1,
                     "r",
                     3,
+                    0.0,
                     {
                         "attempt": 1,
                         "offset": 0,
@@ -190,7 +193,7 @@ def test_old_schema_is_upcast_by_a_named_function(monkeypatch: pytest.MonkeyPatc
         return {**fields, "detail": "(recorded before v2)"}
 
     monkeypatch.setitem(codec.UPCASTERS, ("aborted", 1), aborted_v1_to_v2)
-    old = _forge(["aborted", 1, "r", 4, {"attempt": 1, "reason": "shutdown"}])
+    old = _forge(["aborted", 1, "r", 4, 0.0, {"attempt": 1, "reason": "shutdown"}])
     event = codec.decode(old)
     assert isinstance(event, Aborted) and event.detail == "(recorded before v2)"
     monkeypatch.delitem(codec.UPCASTERS, ("aborted", 1))

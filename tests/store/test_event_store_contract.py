@@ -9,6 +9,7 @@ import pytest
 from statemachine import (
     AbortReason,
     IllegalTransition,
+    OffsetMismatch,
     RolloutState,
     Status,
     TokensAppended,
@@ -40,9 +41,12 @@ async def test_append_load_replay_agree_after_every_operation(store: EventStore)
     s = await store.append(None, f.submitted("r1", max_tokens=12))
     await assert_consistent(store, "r1", s)
     steps = [
-        lambda s: f.started(s), lambda s: f.tokens(s, n=3, routes=True),
-        lambda s: f.tokens(s, n=2, routes=True), lambda s: f.aborted(s, AbortReason.WEIGHT_UPDATE),
-        lambda s: f.resumed(s, version=1), lambda s: f.tokens(s, n=4, version=1, routes=True),
+        lambda s: f.started(s),
+        lambda s: f.tokens(s, n=3, routes=True),
+        lambda s: f.tokens(s, n=2, routes=True),
+        lambda s: f.aborted(s, AbortReason.WEIGHT_UPDATE),
+        lambda s: f.resumed(s, version=1),
+        lambda s: f.tokens(s, n=4, version=1, routes=True),
         lambda s: f.finished(s),
     ]
     for step in steps:
@@ -136,7 +140,7 @@ async def test_append_many_succeeds_and_refuses_per_item(store: EventStore) -> N
     a = await generating(store, "a")
     b = await generating(store, "b")
     b_ab = await store.append(b, f.aborted(b))  # b's attempt is no longer live
-    results = await store.append_many([(a, f.tokens(a, n=2)), (b, f.tokens(b, n=2))])
+    results = await store.append_many([(a, [f.tokens(a, n=2)]), (b, [f.tokens(b, n=2)])])
     assert isinstance(results[0], RolloutState) and results[0].num_tokens == 2
     assert isinstance(results[1], StaleAttempt)
     await assert_consistent(store, "a", results[0])
@@ -161,6 +165,7 @@ async def test_corrupted_stored_record_is_reported_not_misread(store: EventStore
     for n, (entry_id, fields) in enumerate(entries):
         await store.redis.xadd(log, {"e": bytes(damaged) if n == 2 else fields[b"e"]}, id=entry_id)
     from statemachine import CorruptRecord
+
     with pytest.raises(CorruptRecord, match=r"rollout 'r1' event #3"):
         await store.replay("r1")
     with pytest.raises(CorruptRecord, match=r"rollout 'r1' event #3"):
@@ -169,10 +174,14 @@ async def test_corrupted_stored_record_is_reported_not_misread(store: EventStore
 
 async def test_client_must_not_decode_responses(redis_client) -> None:  # type: ignore[no-untyped-def]
     import redis.asyncio as aredis
+
     pool = redis_client.connection_pool
-    decoding = aredis.Redis(connection_pool=pool.__class__(
-        connection_class=pool.connection_class, **{**pool.connection_kwargs, "decode_responses": True}
-    ))
+    decoding = aredis.Redis(
+        connection_pool=pool.__class__(
+            connection_class=pool.connection_class,
+            **{**pool.connection_kwargs, "decode_responses": True},
+        )
+    )
     with pytest.raises(ValueError, match="decode_responses"):
         EventStore(decoding)
     await decoding.aclose()
@@ -180,7 +189,30 @@ async def test_client_must_not_decode_responses(redis_client) -> None:  # type: 
 
 def test_token_event_survives_the_store_encoding_exactly() -> None:
     from statemachine import apply
+
     s0 = apply(None, f.submitted())
     s1 = apply(s0, f.started(s0))
     e = f.tokens(s1, n=5, routes=True)
     assert isinstance(codec.decode(codec.encode(e)), TokensAppended)
+
+
+async def test_append_many_chains_apply_in_order_and_fail_alone(store: EventStore) -> None:
+    from statemachine import apply
+
+    a = await generating(store, "a", max_tokens=6)
+    b = await generating(store, "b")
+    c = await generating(store, "c")
+    a_tokens = f.tokens(a, n=6)
+    a_done = f.finished(apply(a, a_tokens))
+    results = await store.append_many(
+        [
+            (a, [a_tokens, a_done]),  # tokens then finished, one rollout, one round trip
+            (b, [f.tokens(b, n=2), f.tokens(b, n=1, offset=0, seq=b.seq + 2)]),  # 2nd illegal
+            (c, []),
+        ]
+    )
+    assert isinstance(results[0], RolloutState) and results[0].status is Status.DONE
+    assert isinstance(results[1], OffsetMismatch)  # refused in Python, never sent
+    assert results[2] == c
+    await assert_consistent(store, "a", results[0])
+    await assert_consistent(store, "b", b)  # nothing of b's chain was written

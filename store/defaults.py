@@ -1,0 +1,31 @@
+"""Every tunable default of the system, in one place, each with the reason for its value."""
+
+from __future__ import annotations
+
+# -- checkpoints --------------------------------------------------------------------------------
+# A worker appends a rollout's new tokens after CHECKPOINT_TOKENS tokens or CHECKPOINT_INTERVAL_S
+# seconds, whichever comes first. A crash regenerates at most that much. 16 tokens is ~0.1-0.3 s
+# of decode per rollout on a GPU; with one Redis round trip per worker per checkpoint (all its
+# rollouts are flushed together) this is far below Redis' capacity.
+CHECKPOINT_TOKENS = 16
+CHECKPOINT_INTERVAL_S = 0.25
+
+# -- retries ------------------------------------------------------------------------------------
+# Attempts a rollout gets when its engine fails on it; then it is recorded as failed with the
+# engine's error. Aborts for weight updates, shutdowns or lost workers do not count: they are
+# not the rollout's fault.
+MAX_ENGINE_ATTEMPTS = 3
+
+# -- queue --------------------------------------------------------------------------------------
+QUEUE_NAME = "rollouts"
+# rq's job timeout: generations can legitimately run for many minutes; our own leases (not
+# rq's timeout) detect dead workers, so this only bounds a runaway job.
+JOB_TIMEOUT_S = 24 * 3600
+# Seconds a worker blocks on the queue before looking around (shutdown, stats); a blocking
+# pop, never a busy poll.
+DEQUEUE_TIMEOUT_S = 1
+
+# -- clients ------------------------------------------------------------------------------------
+# How often ``wait`` re-reads the status of rollouts still running; one pipelined round trip
+# for all of them, backing off from the first value to the second.
+WAIT_POLL_S = (0.02, 0.5)

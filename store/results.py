@@ -1,0 +1,52 @@
+"""What a trainer gets back for a rollout: a finished trajectory, as plain arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from statemachine import FinishReason, RolloutState, Status
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RolloutResult:
+    rollout_id: str
+    status: Status
+    prompt_token_ids: tuple[int, ...]
+    response_token_ids: npt.NDArray[np.int32]
+    logprobs: npt.NDArray[np.float32]
+    weight_versions: npt.NDArray[np.int64]
+    routed_experts: npt.NDArray[Any] | None  # [tokens, moe_layers, top_k], or None if dense
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    text: str | None  # decoded from all response ids at once, never from chunk texts
+    error: str | None
+    attempts: int
+    aborts: int
+    nonfinite_logprobs: int
+    group_id: str | None
+    metadata: dict[str, Any]
+
+    @classmethod
+    def from_state(cls, state: RolloutState, tokenizer: Tokenizer | None = None) -> RolloutResult:
+        ids = state.token_ids
+        # Decoding all ids at once (not joining per-chunk texts) keeps multi-byte characters
+        # and merges across checkpoint or resume boundaries intact.
+        text = tokenizer.decode(ids.tolist(), skip_special_tokens=True) if tokenizer else None
+        return cls(
+            rollout_id=state.rollout_id, status=state.status,
+            prompt_token_ids=state.request.prompt_token_ids, response_token_ids=ids,
+            logprobs=state.logprobs, weight_versions=state.weight_versions,
+            routed_experts=state.routed_experts, finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason, text=text, error=state.error,
+            attempts=state.attempt, aborts=state.aborts,
+            nonfinite_logprobs=state.nonfinite_logprobs, group_id=state.request.group_id,
+            metadata=dict(state.request.metadata),
+        )

@@ -1,0 +1,221 @@
+"""One attempt of one rollout on an engine, recorded durably as it goes.
+
+The runner begins an attempt (``Started`` or ``Resumed``), streams the engine's chunks into a
+buffer, and checkpoints the buffer every ``checkpoint_tokens`` tokens or
+``checkpoint_interval_s`` seconds through the worker's group-commit ``Checkpointer``. Generation
+never waits for Redis: while one checkpoint is in flight the next tokens keep buffering. The
+last checkpoint and ``Finished`` go together in one chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from statemachine import (
+    LIVE,
+    AbortReason,
+    Aborted,
+    Event,
+    Finished,
+    FinishReason,
+    Resumed,
+    RolloutState,
+    Started,
+    Status,
+    TokensAppended,
+)
+from statemachine.arrays import clamp_logprobs
+from store import AppendRefused, EventStore, defaults
+from workers.checkpoint import Checkpointer
+from workers.engines.base import Chunk, Engine, EngineRequest
+from workers.errors import EngineError, RequestAborted
+
+
+class Outcome(StrEnum):
+    FINISHED = "finished"  # done now (or was already terminal when the job ran)
+    ENGINE_ERROR = "engine_error"  # progress kept, attempt aborted; the worker retries or fails it
+    ABORTED = "aborted"  # stopped on request (shutdown, weight update); progress kept
+    LOST = "lost"  # another writer took the rollout over (fenced out); nothing more to do
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters of one worker process, across all its rollouts."""
+
+    tokens: int = 0
+    checkpoints: int = 0
+    nonfinite_logprobs: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Cadence:
+    tokens: int = defaults.CHECKPOINT_TOKENS
+    interval_s: float = defaults.CHECKPOINT_INTERVAL_S
+
+
+class RolloutRunner:
+    def __init__(
+        self,
+        store: EventStore,
+        checkpointer: Checkpointer,
+        engine: Engine,
+        worker_id: str,
+        *,
+        cadence: Cadence = Cadence(),
+        stats: Stats | None = None,
+    ) -> None:
+        self.store = store
+        self.checkpointer = checkpointer
+        self.engine = engine
+        self.worker_id = worker_id
+        self.cadence = cadence
+        self.stats = stats or Stats()
+        self._stop_reasons: dict[str, AbortReason] = {}
+        self._request_ids: dict[str, str] = {}
+
+    async def stop(self, rollout_id: str, reason: AbortReason) -> None:
+        """Abort the rollout's engine request; ``run`` then saves progress and returns ABORTED."""
+        self._stop_reasons[rollout_id] = reason
+        request_id = self._request_ids.get(rollout_id)
+        if request_id is not None:
+            await self.engine.abort(request_id)
+
+    async def run(self, rollout_id: str) -> tuple[Outcome, RolloutState]:
+        state = await self.store.load(rollout_id)
+        if state.terminal:
+            return Outcome.FINISHED, state  # a duplicate or late job: nothing to do
+        try:
+            state = await self._begin(state)
+            if state.remaining_tokens == 0:
+                # The budget was used up before an abort: finish without asking the engine.
+                done = await self._finish(state, [], FinishReason.LENGTH, None)
+                return Outcome.FINISHED, done
+            return await self._generate(state)
+        except AppendRefused:
+            # Fenced out: our attempt is no longer the live one. Someone else owns it now.
+            return Outcome.LOST, await self.store.load(rollout_id)
+        finally:
+            self._stop_reasons.pop(rollout_id, None)
+            self._request_ids.pop(rollout_id, None)
+
+    async def _begin(self, state: RolloutState) -> RolloutState:
+        events: list[Event] = []
+        if state.status in LIVE:
+            # rq ran this job while an attempt was live (a duplicate delivery, or its worker
+            # died): take over. The old attempt is fenced out from this append on.
+            events.append(Aborted(
+                rollout_id=state.rollout_id, seq=state.seq + 1, attempt=state.attempt,
+                reason=AbortReason.WORKER_LOST, detail=f"taken over by {self.worker_id}",
+            ))
+        seq = state.seq + 1 + len(events)
+        first = state.status is Status.PENDING
+        begin = (Started if first else Resumed)(
+            rollout_id=state.rollout_id, seq=seq, attempt=state.attempt + 1,
+            worker_id=self.worker_id, weight_version=self.engine.weight_version,
+        )
+        return await self.checkpointer.append(state, [*events, begin])
+
+    async def _generate(self, state: RolloutState) -> tuple[Outcome, RolloutState]:
+        rid = state.rollout_id
+        request = EngineRequest(
+            request_id=f"{rid}#{state.attempt}",
+            prompt_token_ids=state.resume_prompt(),
+            sampling=state.resume_sampling(),
+        )
+        self._request_ids[rid] = request.request_id
+        buffer: list[Chunk] = []
+        buffered = 0
+        last_flush = time.monotonic()
+        in_flight: asyncio.Task[RolloutState] | None = None
+        try:
+            async for chunk in self.engine.generate(request):
+                buffer.append(chunk)
+                buffered += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    break
+                due = buffered >= self.cadence.tokens or (
+                    time.monotonic() - last_flush >= self.cadence.interval_s
+                )
+                if due and (in_flight is None or in_flight.done()):
+                    if in_flight is not None:
+                        state = in_flight.result()
+                    in_flight = asyncio.create_task(self._checkpoint(state, buffer))
+                    buffer, buffered, last_flush = [], 0, time.monotonic()
+        except RequestAborted:
+            reason = self._stop_reasons.get(rid, AbortReason.SHUTDOWN)
+            state = await self._settle(in_flight, state)
+            return Outcome.ABORTED, await self._abort(state, buffer, reason, "")
+        except EngineError as exc:
+            state = await self._settle(in_flight, state)
+            return Outcome.ENGINE_ERROR, await self._abort(
+                state, buffer, AbortReason.ENGINE_ERROR, f"{type(exc).__name__}: {exc}"
+            )
+        except BaseException:
+            # Cancelled (the worker is going down hard) or a bug: stop generating for it.
+            await self.engine.abort(request.request_id)
+            raise
+        state = await self._settle(in_flight, state)
+        last = buffer[-1] if buffer else None
+        if last is None or last.finish_reason is None:
+            raise EngineError(f"engine stream for {rid} ended without a finish reason")
+        return Outcome.FINISHED, await self._finish(
+            state, buffer, last.finish_reason, last.stop_reason
+        )
+
+    async def _settle(
+        self, in_flight: asyncio.Task[RolloutState] | None, state: RolloutState
+    ) -> RolloutState:
+        return state if in_flight is None else await in_flight
+
+    async def _checkpoint(self, state: RolloutState, chunks: list[Chunk]) -> RolloutState:
+        state = await self.checkpointer.append(state, [self._tokens_event(state, chunks)])
+        self.stats.checkpoints += 1
+        return state
+
+    async def _finish(
+        self, state: RolloutState, chunks: list[Chunk], reason: FinishReason,
+        stop_reason: int | str | None,
+    ) -> RolloutState:
+        events: list[Event] = []
+        if chunks:
+            events.append(self._tokens_event(state, chunks))
+        events.append(Finished(
+            rollout_id=state.rollout_id, seq=state.seq + 1 + len(events), attempt=state.attempt,
+            finish_reason=reason, stop_reason=stop_reason,
+        ))
+        return await self.checkpointer.append(state, events)
+
+    async def _abort(
+        self, state: RolloutState, chunks: list[Chunk], reason: AbortReason, detail: str
+    ) -> RolloutState:
+        events: list[Event] = []
+        if chunks:
+            events.append(self._tokens_event(state, chunks))
+        events.append(Aborted(
+            rollout_id=state.rollout_id, seq=state.seq + 1 + len(events), attempt=state.attempt,
+            reason=reason, detail=detail,
+        ))
+        return await self.checkpointer.append(state, events)
+
+    def _tokens_event(self, state: RolloutState, chunks: list[Chunk]) -> TokensAppended:
+        ids = np.concatenate([c.token_ids for c in chunks]).astype(np.int32, copy=False)
+        raw = np.concatenate([c.logprobs for c in chunks]).astype(np.float32, copy=False)
+        logprobs, nonfinite = clamp_logprobs(raw)
+        versions = np.concatenate(
+            [np.full(len(c.token_ids), c.weight_version, dtype=np.int64) for c in chunks]
+        )
+        routes = [c.routed_experts for c in chunks]
+        self.stats.tokens += len(ids)
+        self.stats.nonfinite_logprobs += nonfinite
+        return TokensAppended(
+            rollout_id=state.rollout_id, seq=state.seq + 1, attempt=state.attempt,
+            offset=state.num_tokens, token_ids=ids, logprobs=logprobs, weight_versions=versions,
+            routed_experts=None if routes[0] is None else np.concatenate(routes),  # type: ignore[arg-type]
+            nonfinite_logprobs=nonfinite,
+        )
