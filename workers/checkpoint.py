@@ -53,7 +53,7 @@ class Checkpointer:
     async def _flush(self, batch: list[_Entry]) -> None:
         try:
             results = await self.store.append_many([(state, events) for state, events, _ in batch])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             # Redis unreachable: every caller gets the error and may retry its chain as is,
             # which is safe because a repeated append is recognised and not applied twice.
             for _, _, future in batch:

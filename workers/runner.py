@@ -18,8 +18,8 @@ import numpy as np
 
 from statemachine import (
     LIVE,
-    AbortReason,
     Aborted,
+    AbortReason,
     Event,
     Finished,
     FinishReason,
@@ -41,6 +41,13 @@ class Outcome(StrEnum):
     ENGINE_ERROR = "engine_error"  # progress kept, attempt aborted; the worker retries or fails it
     ABORTED = "aborted"  # stopped on request (shutdown, weight update); progress kept
     LOST = "lost"  # another writer took the rollout over (fenced out); nothing more to do
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    outcome: Outcome
+    state: RolloutState
+    error: str | None = None  # the engine's error, for ENGINE_ERROR
 
 
 @dataclass(slots=True)
@@ -67,14 +74,14 @@ class RolloutRunner:
         engine: Engine,
         worker_id: str,
         *,
-        cadence: Cadence = Cadence(),
+        cadence: Cadence | None = None,
         stats: Stats | None = None,
     ) -> None:
         self.store = store
         self.checkpointer = checkpointer
         self.engine = engine
         self.worker_id = worker_id
-        self.cadence = cadence
+        self.cadence = cadence or Cadence()
         self.stats = stats or Stats()
         self._stop_reasons: dict[str, AbortReason] = {}
         self._request_ids: dict[str, str] = {}
@@ -86,20 +93,20 @@ class RolloutRunner:
         if request_id is not None:
             await self.engine.abort(request_id)
 
-    async def run(self, rollout_id: str) -> tuple[Outcome, RolloutState]:
+    async def run(self, rollout_id: str) -> RunResult:
         state = await self.store.load(rollout_id)
         if state.terminal:
-            return Outcome.FINISHED, state  # a duplicate or late job: nothing to do
+            return RunResult(Outcome.FINISHED, state)  # a duplicate or late job: nothing to do
         try:
             state = await self._begin(state)
             if state.remaining_tokens == 0:
                 # The budget was used up before an abort: finish without asking the engine.
                 done = await self._finish(state, [], FinishReason.LENGTH, None)
-                return Outcome.FINISHED, done
+                return RunResult(Outcome.FINISHED, done)
             return await self._generate(state)
         except AppendRefused:
             # Fenced out: our attempt is no longer the live one. Someone else owns it now.
-            return Outcome.LOST, await self.store.load(rollout_id)
+            return RunResult(Outcome.LOST, await self.store.load(rollout_id))
         finally:
             self._stop_reasons.pop(rollout_id, None)
             self._request_ids.pop(rollout_id, None)
@@ -121,7 +128,7 @@ class RolloutRunner:
         )
         return await self.checkpointer.append(state, [*events, begin])
 
-    async def _generate(self, state: RolloutState) -> tuple[Outcome, RolloutState]:
+    async def _generate(self, state: RolloutState) -> RunResult:
         rid = state.rollout_id
         request = EngineRequest(
             request_id=f"{rid}#{state.attempt}",
@@ -150,12 +157,12 @@ class RolloutRunner:
         except RequestAborted:
             reason = self._stop_reasons.get(rid, AbortReason.SHUTDOWN)
             state = await self._settle(in_flight, state)
-            return Outcome.ABORTED, await self._abort(state, buffer, reason, "")
+            return RunResult(Outcome.ABORTED, await self._abort(state, buffer, reason, ""))
         except EngineError as exc:
+            error = f"{type(exc).__name__}: {exc}"
             state = await self._settle(in_flight, state)
-            return Outcome.ENGINE_ERROR, await self._abort(
-                state, buffer, AbortReason.ENGINE_ERROR, f"{type(exc).__name__}: {exc}"
-            )
+            state = await self._abort(state, buffer, AbortReason.ENGINE_ERROR, error)
+            return RunResult(Outcome.ENGINE_ERROR, state, error)
         except BaseException:
             # Cancelled (the worker is going down hard) or a bug: stop generating for it.
             await self.engine.abort(request.request_id)
@@ -164,9 +171,8 @@ class RolloutRunner:
         last = buffer[-1] if buffer else None
         if last is None or last.finish_reason is None:
             raise EngineError(f"engine stream for {rid} ended without a finish reason")
-        return Outcome.FINISHED, await self._finish(
-            state, buffer, last.finish_reason, last.stop_reason
-        )
+        done = await self._finish(state, buffer, last.finish_reason, last.stop_reason)
+        return RunResult(Outcome.FINISHED, done)
 
     async def _settle(
         self, in_flight: asyncio.Task[RolloutState] | None, state: RolloutState

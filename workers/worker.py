@@ -1,0 +1,156 @@
+"""The worker process: one resident engine, up to N rollouts generating on it at once.
+
+rq is the durable queue (jobs carry rollout ids only); this process never forks per job. Its
+event loop takes a job only when one of its N slots is free, runs the rollout on the engine
+through a ``RolloutRunner``, and keeps rq's registries truthful through ``RqBridge``. Every
+rollout's progress goes to Redis through one group-commit ``Checkpointer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+import redis.asyncio as aredis
+
+from statemachine import AbortReason, Failed, RolloutState
+from store import EventStore, defaults
+from workers.checkpoint import Checkpointer
+from workers.engines.base import Engine
+from workers.rq_bridge import RqBridge, Running
+from workers.runner import Cadence, Outcome, RolloutRunner, Stats
+
+log = logging.getLogger("rollouts.worker")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerConfig:
+    redis_url: str
+    queues: tuple[str, ...] = (defaults.QUEUE_NAME,)
+    max_concurrency: int = 4
+    name: str = field(
+        default_factory=lambda: f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+    )
+    cadence: Cadence = field(default_factory=Cadence)
+    max_engine_attempts: int = defaults.MAX_ENGINE_ATTEMPTS
+    dequeue_timeout_s: int = defaults.DEQUEUE_TIMEOUT_S
+    heartbeat_s: float = 5.0
+    burst: bool = False  # exit once the queues are empty and nothing is running
+    shutdown_grace_s: float = 30.0
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+        if config.max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        self.config = config
+        self.engine = engine
+        self.stats = Stats()
+        self._stopping = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def request_stop(self) -> None:
+        """Stop taking jobs; running rollouts save their progress and go back to the queue."""
+        self._stopping.set()
+
+    async def run(self) -> Stats:
+        cfg = self.config
+        client = aredis.Redis.from_url(cfg.redis_url)
+        store = EventStore(client)
+        checkpointer = Checkpointer(store)
+        self.runner = RolloutRunner(
+            store, checkpointer, self.engine, cfg.name, cadence=cfg.cadence, stats=self.stats
+        )
+        self.store = store
+        rq = RqBridge(cfg.redis_url, list(cfg.queues), cfg.name)
+        await rq.register()
+        beat = asyncio.create_task(self._heartbeat(rq))
+        log.info("worker %s on %s, up to %d rollouts at once", cfg.name, cfg.queues,
+                 cfg.max_concurrency)
+        try:
+            await self._take_jobs(rq)
+        finally:
+            await self._shut_down(rq)
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            await checkpointer.close()
+            await rq.close()
+            await client.aclose()
+        return self.stats
+
+    async def _take_jobs(self, rq: RqBridge) -> None:
+        slots = asyncio.Semaphore(self.config.max_concurrency)
+        while not self._stopping.is_set():
+            await slots.acquire()  # take a job only with a free slot: leave the rest to others
+            if self._stopping.is_set():
+                slots.release()
+                break
+            running = await rq.dequeue(self.config.dequeue_timeout_s)
+            if running is None:
+                slots.release()
+                if self.config.burst and not self._tasks:
+                    break
+                continue
+            task = asyncio.create_task(self._run_job(rq, running))
+            self._tasks[running.execution.id] = task
+            task.add_done_callback(lambda _t, eid=running.execution.id: self._done(eid, slots))
+
+    def _done(self, execution_id: str, slots: asyncio.Semaphore) -> None:
+        self._tasks.pop(execution_id, None)
+        slots.release()
+
+    async def _run_job(self, rq: RqBridge, running: Running) -> None:
+        rid = running.rollout_id
+        try:
+            result = await self.runner.run(rid)
+        except Exception as exc:
+            # Redis unreachable or a bug: the rollout keeps what was saved; give the job back so
+            # another run takes the rollout over from its last checkpoint.
+            log.exception("rollout %s: %s; job returned to the queue", rid, exc)
+            with contextlib.suppress(Exception):
+                await rq.requeue(running, at_front=False)
+            return
+        outcome, state = result.outcome, result.state
+        self.stats.outcomes[outcome] = self.stats.outcomes.get(outcome, 0) + 1
+        if outcome is Outcome.ENGINE_ERROR:
+            if state.attempt >= self.config.max_engine_attempts:
+                state = await self._fail(state, result.error or "engine error")
+                await rq.fail(running, f"rollout {rid} failed: {result.error}")
+                return
+            await rq.requeue(running, at_front=False)  # another attempt, maybe elsewhere
+        elif outcome is Outcome.ABORTED:
+            await rq.requeue(running, at_front=True)  # shutdown: first in line for the next worker
+        else:
+            await rq.succeed(running, {"rollout_id": rid, "status": state.status.value,
+                                       "outcome": outcome.value})
+
+    async def _fail(self, state: RolloutState, error: str) -> RolloutState:
+        event = Failed(rollout_id=state.rollout_id, seq=state.seq + 1, error=error,
+                       attempts=state.attempt)
+        return await self.store.append(state, event)
+
+    async def _heartbeat(self, rq: RqBridge) -> None:
+        while True:
+            try:
+                await rq.heartbeat()
+            except Exception:
+                # A missed beat is survivable (the TTL spans several); keep beating.
+                log.warning("rq heartbeat failed", exc_info=True)
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    async def _shut_down(self, rq: RqBridge) -> None:
+        tasks = list(self._tasks.values())
+        if not tasks:
+            return
+        log.info("stopping %d rollouts: progress is saved and their jobs requeued", len(tasks))
+        for running in list(rq.running.values()):
+            await self.runner.stop(running.rollout_id, AbortReason.SHUTDOWN)
+        _, pending = await asyncio.wait(tasks, timeout=self.config.shutdown_grace_s)
+        for task in pending:
+            task.cancel()
