@@ -34,6 +34,7 @@ class RedisServer:
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="dr-redis-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.config = {**DURABLE, **(config or {})}
         self.binary = shutil.which(binary) or binary
