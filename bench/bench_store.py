@@ -27,7 +27,7 @@ import redis.asyncio as aredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from statemachine import (  # noqa: E402
+from statemachine import (
     RolloutRequest,
     RolloutState,
     SamplingParams,
@@ -35,8 +35,8 @@ from statemachine import (  # noqa: E402
     Submitted,
     TokensAppended,
 )
-from store import EventStore, Keys  # noqa: E402
-from store.server import RedisServer  # noqa: E402
+from store import EventStore, Keys
+from store.server import RedisServer
 
 LAYERS, TOP_K, EXPERTS = 48, 8, 128
 
@@ -47,13 +47,17 @@ def make_chunks(rollouts: int, chunks: int, tokens: int, seed: int = 0) -> list[
     for _ in range(rollouts):
         per = []
         for c in range(chunks):
-            per.append({
-                "offset": c * tokens,
-                "token_ids": rng.integers(0, 150_000, tokens, dtype=np.int32),
-                "logprobs": rng.uniform(-10, 0, tokens).astype(np.float32),
-                "weight_versions": np.full(tokens, 3, dtype=np.int64),
-                "routed_experts": rng.integers(0, EXPERTS, (tokens, LAYERS, TOP_K), dtype=np.uint8),
-            })
+            per.append(
+                {
+                    "offset": c * tokens,
+                    "token_ids": rng.integers(0, 150_000, tokens, dtype=np.int32),
+                    "logprobs": rng.uniform(-10, 0, tokens).astype(np.float32),
+                    "weight_versions": np.full(tokens, 3, dtype=np.int64),
+                    "routed_experts": rng.integers(
+                        0, EXPERTS, (tokens, LAYERS, TOP_K), dtype=np.uint8
+                    ),
+                }
+            )
         out.append(per)
     return out
 
@@ -94,12 +98,14 @@ async def run_store_batched(
 
     async def writer(states: list[RolloutState], data: list[list[dict]]) -> None:
         for c in range(len(data[0])):
-            results = await store.append_many([(s, event(s, d[c])) for s, d in zip(states, data)])
+            results = await store.append_many([(s, [event(s, d[c])]) for s, d in zip(states, data)])
             assert all(isinstance(r, RolloutState) for r in results), results[:1]
             states = results  # type: ignore[assignment]
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(writer(s, d) for s, d in zip(split(states, writers), split(data, writers))))
+    await asyncio.gather(
+        *(writer(s, d) for s, d in zip(split(states, writers), split(data, writers)))
+    )
     return time.perf_counter() - t0
 
 
@@ -139,13 +145,16 @@ async def main(args: argparse.Namespace) -> dict:
     n_tokens = n_events * args.tokens
     max_tokens = args.chunks * args.tokens
     first = data[0][0]
-    payload = sum(first[k].nbytes for k in ("token_ids", "logprobs", "weight_versions",
-                                            "routed_experts")) / args.tokens
+    payload = (
+        sum(first[k].nbytes for k in ("token_ids", "logprobs", "weight_versions", "routed_experts"))
+        / args.tokens
+    )
     with RedisServer(config={"appendonly": "yes", "appendfsync": args.fsync}) as server:
         client = aredis.Redis.from_url(server.url, max_connections=args.rollouts + 8)
         store = EventStore(client)
         # Encoded record size of one chunk, so the raw side writes blobs of exactly that size.
         from statemachine import codec
+
         sample = await start_rollouts(store, "s", 1, max_tokens)
         blob_size = len(codec.encode(event(sample[0], first)))
         await client.flushall()
@@ -186,8 +195,12 @@ if __name__ == "__main__":
     ap.add_argument("--rollouts", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=16, help="chunks appended per rollout")
     ap.add_argument("--tokens", type=int, default=32, help="tokens per chunk")
-    ap.add_argument("--writers", type=int, default=4,
-                    help="concurrent batched writers, like worker processes sharing one Redis")
+    ap.add_argument(
+        "--writers",
+        type=int,
+        default=4,
+        help="concurrent batched writers, like worker processes sharing one Redis",
+    )
     ap.add_argument("--fsync", default="everysec", choices=["always", "everysec", "no"])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args()

@@ -15,6 +15,20 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+from transformers.utils import logging as hf_logging
 
 # Special tokens in Qwen's spelling, so chat-style prompts look familiar; the eos token is
 # what generation stops on.
@@ -25,37 +39,35 @@ HIDDEN_SIZE = 64
 NUM_LAYERS = 2
 NUM_EXPERTS = 8
 TOP_K = 2
-# Random weights at transformers' default std (0.02) give an almost flat next-token
-# distribution: greedy decoding then hinges on near-ties that float rounding can flip.
-# A larger std makes the tiny model's preferences decisive, which the determinism tests need.
-INIT_STD = 0.5
+# Weights are N(0, INIT_GAIN**2 / fan_in). transformers' default (std 0.02) gives an almost
+# flat next-token distribution, where greedy decoding hinges on near-ties; this gain makes the
+# tiny model's preferences decisive (mean top-1 probability ~0.35) and its routing varied.
+INIT_GAIN = 4.0
 
-_WORDS = (
+_VOCABULARY_TEXT = (
     "the a an rollout token model weight trainer worker engine queue redis event log state "
     "abort resume finish stop length sample greedy expert router layer batch step prompt "
     "alpha beta gamma delta river mountain cloud stone light shadow quick slow bright dark "
     "one two three four five six seven eight nine ten and or but if then else while for "
     "is was will be has had can may must should run ran runs walk walked see saw seen"
-).split()
+)
 
 
 def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
     """Pseudo-random sentences plus digits and punctuation, so BPE learns merges of every kind."""
     rng = random.Random(seed)
+    vocabulary = _VOCABULARY_TEXT.split()
     lines = []
     for _ in range(n_lines):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 14))]
+        words = [rng.choice(vocabulary) for _ in range(rng.randint(3, 14))]
         if rng.random() < 0.3:
             words.append(str(rng.randint(0, 99999)))
         lines.append(" ".join(words).capitalize() + rng.choice(".!?,;:"))
     return lines
 
 
-def build_tokenizer(seed: int = 0):  # -> PreTrainedTokenizerFast (lazy import: heavy)
+def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     """A byte-level BPE of about VOCAB_SIZE tokens, trained on generated text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -74,10 +86,8 @@ def build_tokenizer(seed: int = 0):  # -> PreTrainedTokenizerFast (lazy import: 
     )
 
 
-def _config(*, moe: bool, vocab_size: int, eos_id: int):  # -> PretrainedConfig
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
-    common = {
+def _config(*, moe: bool, vocab_size: int, eos_id: int) -> PretrainedConfig:
+    common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": HIDDEN_SIZE,
         "num_hidden_layers": NUM_LAYERS,
@@ -105,10 +115,8 @@ def _config(*, moe: bool, vocab_size: int, eos_id: int):  # -> PretrainedConfig
     return Qwen3Config(**common, intermediate_size=128)
 
 
-def _fill_weights(model, seed: int) -> None:  # model: PreTrainedModel
+def _fill_weights(model: PreTrainedModel, seed: int) -> None:
     """Overwrite every tensor from one seeded generator, in sorted name order (determinism)."""
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
@@ -117,7 +125,7 @@ def _fill_weights(model, seed: int) -> None:  # model: PreTrainedModel
                 tensor.fill_(1.0)
             else:
                 fan_in = tensor.shape[-1] if tensor.dim() > 1 else 1
-                std = INIT_STD / max(1.0, fan_in**0.5) * 8.0
+                std = INIT_GAIN / fan_in**0.5
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * std)
 
 
@@ -127,13 +135,12 @@ def make_tiny_model(path: str | Path, *, moe: bool, seed: int = 0) -> Path:
     The tokenizer depends only on a fixed seed (0), so every checkpoint of one architecture
     shares it; `seed` changes only the weights.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars are noise in tests and CLI
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(seed=0)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    assert isinstance(eos_id, int)  # one token in, one id out
     config = _config(moe=moe, vocab_size=len(tokenizer), eos_id=eos_id)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _fill_weights(model, seed)
@@ -143,8 +150,47 @@ def make_tiny_model(path: str | Path, *, moe: bool, seed: int = 0) -> Path:
         out
     )
     tokenizer.save_pretrained(out)
+    _write_tokenizer_config(out)
+    _add_portable_config_keys(out, moe=moe)
     (out / "tiny_model.json").write_text(json.dumps({"moe": moe, "seed": seed}) + "\n")
     return out
+
+
+def _write_tokenizer_config(out: Path) -> None:
+    """Replace the release-specific tokenizer_config.json with a portable one.
+
+    transformers 5 writes `"tokenizer_class": "TokenizersBackend"`, which transformers 4 (and
+    so vLLM builds pinned to it) cannot resolve; `PreTrainedTokenizerFast` over tokenizer.json
+    loads in both.
+    """
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # Older releases also read special_tokens_map.json; keep it consistent if one was written.
+    (out / "special_tokens_map.json").unlink(missing_ok=True)
+
+
+def _add_portable_config_keys(out: Path, *, moe: bool) -> None:
+    """Also spell config.json the way transformers 4 (and vLLM built on it) reads it.
+
+    transformers 5 writes `num_local_experts` and `rope_parameters`; transformers 4 reads
+    `num_experts` (else it assumes 128 experts) and `rope_theta`. transformers 5 maps both
+    old names back onto the new fields, so adding them changes nothing there.
+    """
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    if moe:
+        config["num_experts"] = config.get("num_local_experts", NUM_EXPERTS)
+    rope = config.get("rope_parameters") or {}
+    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def make_tiny_checkpoint(path: str | Path, *, like: str | Path, seed: int) -> Path:

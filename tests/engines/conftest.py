@@ -46,7 +46,9 @@ class EngineCase:
     moe: bool
     build: Callable[[Path, int], Awaitable[Engine]]
     logprob_tol: float = 1e-5
-    hf_logprob_tol: float = 1e-4  # vs a direct full-sequence HF forward (different kernels)
+    # vs a direct full-sequence HF forward, whose kernels round differently: measured
+    # <= 5e-5 over 64 tokens of the tiny MoE (1e-5 dense), so 2e-4 leaves margin.
+    hf_logprob_tol: float = 2e-4
 
 
 async def _build_cpu(model_dir: Path, weight_version: int) -> Engine:

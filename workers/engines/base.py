@@ -1,0 +1,99 @@
+"""The protocol every engine implements, and the values that cross it.
+
+An engine takes token ids in and streams token ids out; it knows nothing of rollouts, Redis
+or attempts. The worker owns durability; the engine only has to be honest about what it
+produced (each token's logprob, its routed experts, the weights that sampled it) and to stop
+producing for a request once told to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from statemachine.request import SamplingParams
+from statemachine.states import FinishReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRequest:
+    """One generation as the engine sees it.
+
+    On a resume the caller passes `prompt + partial tokens` as `prompt_token_ids` and a
+    `sampling` whose max_tokens/min_tokens are already reduced by the partial's length: the
+    engine cannot tell a resume from a fresh request, and does not need to.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Chunk:
+    """Consecutive tokens of one request's stream (the CPU engine yields one per decode step).
+
+    - `token_ids`: np.int32, shape [n].
+    - `logprobs`: np.float32, shape [n]; the logprob of each sampled token under the *raw*
+      model distribution (log_softmax of the logits before temperature, top-k/top-p or the
+      min_tokens mask), as vLLM returns by default (`logprobs_mode="raw_logprobs"`). The
+      trainer recomputes exactly this quantity, so it is the one worth comparing.
+    - `routed_experts`: None for dense models; for MoE models an unsigned array
+      [n, n_moe_layers, top_k] in the smallest dtype that holds the expert count (see
+      `expert_dtype`). Row t is the routing of the forward pass that *produced* token t, i.e.
+      of the input position just before it (the last prompt position for the first token).
+      That is the routing under which the token's logprob was computed, it gives exactly one
+      row per generated token without an extra forward, and it maps onto vLLM's per-input-
+      position `routed_experts` as rows `[len(prompt) - 1 : len(prompt) - 1 + n]` (vLLM has no
+      row for the last generated token, which this definition never needs).
+    - `finish_reason`: set on the last chunk only; `stop_reason` is None (eos or length), the
+      stop token id, or the stop string that ended generation.
+    - `weight_version`: the weight version that sampled these tokens. A chunk never spans a
+      weight swap, so a caller can tag every token exactly (invariant 4) even when weights
+      change under an in-flight request.
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    routed_experts: np.ndarray | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    weight_version: int = 0
+
+
+def expert_dtype(num_experts: int) -> np.dtype:
+    """The smallest unsigned integer dtype that holds every expert index (uint8 below 256)."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if num_experts - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.uint64)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a worker needs of an engine.
+
+    Contract (tests/engines/test_engine_contract.py holds every engine to it):
+    - `generate` streams chunks; the last one carries a finish reason and the stream then
+      ends. An aborted request's stream raises `workers.errors.RequestAborted` instead, so a
+      stream that ends quietly always ended with a finish reason.
+    - `abort` is idempotent, accepts unknown ids, and once it returns no further chunk of that
+      request is yielded (late outputs are dropped).
+    - `load_weights` loads a checkpoint directory of the same architecture in place at a safe
+      point between decode steps; requests in flight continue under the new weights (their
+      KV cache is recomputed), and `weight_version` changes only once the load is complete.
+    """
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def load_weights(self, source: str, version: int) -> None: ...
+
+    async def close(self) -> None: ...

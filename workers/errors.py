@@ -1,0 +1,27 @@
+"""Errors raised by the worker package: one base, so callers can catch the whole family."""
+
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    """Base of every error raised by `workers`."""
+
+
+class EngineError(WorkerError):
+    """An engine failed to serve a request (bad input, a failed forward, a closed engine)."""
+
+
+class RequestAborted(EngineError):
+    """The request was aborted: its stream ends with this instead of a finish reason.
+
+    Raised by `Engine.generate` iterators whose request was aborted, so that a stream which
+    ends without raising always carried a finish reason on its last chunk.
+    """
+
+
+class EngineClosed(EngineError):
+    """The engine was closed; it serves no new request and no weight load."""
+
+
+class WeightLoadError(EngineError):
+    """A checkpoint could not be loaded; the engine keeps its previous weights and version."""
