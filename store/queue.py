@@ -26,7 +26,9 @@ JOB_FUNC = "workers.jobs.run_rollout"
 
 def rollout_queue(connection: Redis, name: str = defaults.QUEUE_NAME) -> Queue:
     return Queue(
-        name, connection=connection, serializer=JSONSerializer,
+        name,
+        connection=connection,
+        serializer=JSONSerializer,
         default_timeout=defaults.JOB_TIMEOUT_S,
     )
 
@@ -36,8 +38,13 @@ def enqueue_rollouts(queue: Queue, rollout_ids: Sequence[str], *, at_front: bool
     with queue.connection.pipeline() as pipe:
         for rid in rollout_ids:
             queue.enqueue_call(
-                JOB_FUNC, kwargs={"rollout_id": rid}, description=f"rollout {rid}",
-                result_ttl=3600, failure_ttl=7 * 86400, at_front=at_front, pipeline=pipe,
+                JOB_FUNC,
+                kwargs={"rollout_id": rid},
+                description=f"rollout {rid}",
+                result_ttl=3600,
+                failure_ttl=7 * 86400,
+                at_front=at_front,
+                pipeline=pipe,
             )
         pipe.execute()
 

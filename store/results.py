@@ -41,12 +41,20 @@ class RolloutResult:
         # and merges across checkpoint or resume boundaries intact.
         text = tokenizer.decode(ids.tolist(), skip_special_tokens=True) if tokenizer else None
         return cls(
-            rollout_id=state.rollout_id, status=state.status,
-            prompt_token_ids=state.request.prompt_token_ids, response_token_ids=ids,
-            logprobs=state.logprobs, weight_versions=state.weight_versions,
-            routed_experts=state.routed_experts, finish_reason=state.finish_reason,
-            stop_reason=state.stop_reason, text=text, error=state.error,
-            attempts=state.attempt, aborts=state.aborts,
-            nonfinite_logprobs=state.nonfinite_logprobs, group_id=state.request.group_id,
+            rollout_id=state.rollout_id,
+            status=state.status,
+            prompt_token_ids=state.request.prompt_token_ids,
+            response_token_ids=ids,
+            logprobs=state.logprobs,
+            weight_versions=state.weight_versions,
+            routed_experts=state.routed_experts,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+            text=text,
+            error=state.error,
+            attempts=state.attempt,
+            aborts=state.aborts,
+            nonfinite_logprobs=state.nonfinite_logprobs,
+            group_id=state.request.group_id,
             metadata=dict(state.request.metadata),
         )

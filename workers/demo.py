@@ -26,8 +26,12 @@ from store.client import RolloutClient
 from store.server import RedisServer
 
 PROMPTS = [
-    "the durable rollout", "weights change while", "a worker crashed and",
-    "every token is kept", "resume from the prefix", "routing replay needs",
+    "the durable rollout",
+    "weights change while",
+    "a worker crashed and",
+    "every token is kept",
+    "resume from the prefix",
+    "routing replay needs",
 ]
 
 
@@ -55,9 +59,24 @@ def _model(path: str | None) -> Path:
 
 
 def _start_worker(url: str, model: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "workers.cli", "worker", "--redis", url, "--engine", "cpu",
-           "--model", str(model), "--max-concurrency", "2", "--checkpoint-tokens", "8",
-           "--name", name]
+    cmd = [
+        sys.executable,
+        "-m",
+        "workers.cli",
+        "worker",
+        "--redis",
+        url,
+        "--engine",
+        "cpu",
+        "--model",
+        str(model),
+        "--max-concurrency",
+        "2",
+        "--checkpoint-tokens",
+        "8",
+        "--name",
+        name,
+    ]
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
@@ -98,18 +117,24 @@ async def _demo(url: str, model: Path, max_tokens: int, logs: Path) -> int:
         await client.aclose()
 
     reference = await _uninterrupted(model, requests)
-    print(f"\n{'rollout':10} {'status':7} {'tokens':>6} {'attempts':>8} {'aborts':>6} "
-          f"{'routes':>12}  same as uninterrupted")
+    print(
+        f"\n{'rollout':10} {'status':7} {'tokens':>6} {'attempts':>8} {'aborts':>6} "
+        f"{'routes':>12}  same as uninterrupted"
+    )
     ok = True
     for r, ref in zip(results, reference, strict=True):
         same = np.array_equal(r.response_token_ids, ref)
         ok &= same and r.status == "done"
         routes = "-" if r.routed_experts is None else "x".join(map(str, r.routed_experts.shape))
-        print(f"{r.rollout_id[:8]:10} {r.status:7} {len(r.response_token_ids):6d} "
-              f"{r.attempts:8d} {r.aborts:6d} {routes:>12}  {'yes' if same else 'NO'}")
+        print(
+            f"{r.rollout_id[:8]:10} {r.status:7} {len(r.response_token_ids):6d} "
+            f"{r.attempts:8d} {r.aborts:6d} {routes:>12}  {'yes' if same else 'NO'}"
+        )
     resumed = sum(r.aborts > 0 for r in results)
-    print(f"\n{resumed} rollouts were interrupted and resumed; "
-          f"{'all' if ok else 'NOT all'} match the uninterrupted greedy run token for token.")
+    print(
+        f"\n{resumed} rollouts were interrupted and resumed; "
+        f"{'all' if ok else 'NOT all'} match the uninterrupted greedy run token for token."
+    )
     print(f"text of the first: {results[0].metadata['prompt']!r} -> {results[0].text!r}")
     return 0 if ok and resumed else 1
 
@@ -122,9 +147,16 @@ async def _uninterrupted(model: Path, requests: list[RolloutRequest]) -> list[np
     try:
         out = []
         for i, req in enumerate(requests):
-            chunks = [c async for c in engine.generate(EngineRequest(
-                request_id=f"ref-{i}", prompt_token_ids=req.prompt_token_ids,
-                sampling=req.sampling))]
+            chunks = [
+                c
+                async for c in engine.generate(
+                    EngineRequest(
+                        request_id=f"ref-{i}",
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=req.sampling,
+                    )
+                )
+            ]
             out.append(np.concatenate([c.token_ids for c in chunks]))
         return out
     finally:

@@ -62,7 +62,10 @@ class RqBridge:
         self.connection = Redis.from_url(url)
         self.queues = [rollout_queue(self.connection, n) for n in queue_names]
         self.worker = InProcessWorker(
-            self.queues, name=name, connection=self.connection, serializer=JSONSerializer,
+            self.queues,
+            name=name,
+            connection=self.connection,
+            serializer=JSONSerializer,
             worker_ttl=InProcessWorker.execution_ttl * 2,
         )
         self._bk = ThreadPoolExecutor(1, thread_name_prefix="rq-books")
@@ -77,16 +80,24 @@ class RqBridge:
         def birth() -> None:
             self.worker.register_birth()
             self.worker.set_state(WorkerStatus.IDLE)
+
         await self._books(birth)
 
     async def dequeue(self, timeout: int) -> Running | None:
         """Block (in a thread) up to ``timeout`` s for a job; mark it started as ours."""
         loop = asyncio.get_running_loop()
         try:
-            found = await loop.run_in_executor(self._dq, functools.partial(
-                Queue.dequeue_any, self.queues, timeout, connection=self.connection,
-                job_class=self.worker.job_class, serializer=JSONSerializer,
-            ))
+            found = await loop.run_in_executor(
+                self._dq,
+                functools.partial(
+                    Queue.dequeue_any,
+                    self.queues,
+                    timeout,
+                    connection=self.connection,
+                    job_class=self.worker.job_class,
+                    serializer=JSONSerializer,
+                ),
+            )
         except DequeueTimeout:
             return None
         if found is None:
@@ -113,14 +124,18 @@ class RqBridge:
                     r.execution.heartbeat(r.queue.started_job_registry, ttl, pipeline=pipe)
                     r.job.heartbeat(now(), ttl, pipeline=pipe)
                 pipe.execute()
+
         await self._books(beat)
 
     async def succeed(self, r: Running, result: dict[str, Any]) -> None:
         def done() -> None:
             r.job.ended_at = now()
             r.job._result = result
-            self.worker.handle_job_success(r.job, r.queue, r.queue.started_job_registry, r.execution)
+            self.worker.handle_job_success(
+                r.job, r.queue, r.queue.started_job_registry, r.execution
+            )
             self._idle_if_empty()
+
         await self._finish(r, done)
 
     async def fail(self, r: Running, error: str) -> None:
@@ -128,10 +143,12 @@ class RqBridge:
             r.job.ended_at = now()
             self.worker.handle_job_failure(r.job, r.queue, exc_string=error, execution=r.execution)
             self._idle_if_empty()
+
         await self._finish(r, done)
 
     async def requeue(self, r: Running, *, at_front: bool) -> None:
         """Put a started job back on its queue (shutdown, retry after an engine error)."""
+
         def back() -> None:
             with self.connection.pipeline() as pipe:
                 self.worker.cleanup_execution(r.job, pipeline=pipe, execution=r.execution)
@@ -141,6 +158,7 @@ class RqBridge:
                 r.queue._enqueue_job(r.job, pipeline=pipe, at_front=at_front)
                 pipe.execute()
             self._idle_if_empty()
+
         await self._finish(r, back)
 
     async def _finish(self, r: Running, fn: Callable[[], None]) -> None:

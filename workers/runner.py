@@ -116,15 +116,23 @@ class RolloutRunner:
         if state.status in LIVE:
             # rq ran this job while an attempt was live (a duplicate delivery, or its worker
             # died): take over. The old attempt is fenced out from this append on.
-            events.append(Aborted(
-                rollout_id=state.rollout_id, seq=state.seq + 1, attempt=state.attempt,
-                reason=AbortReason.WORKER_LOST, detail=f"taken over by {self.worker_id}",
-            ))
+            events.append(
+                Aborted(
+                    rollout_id=state.rollout_id,
+                    seq=state.seq + 1,
+                    attempt=state.attempt,
+                    reason=AbortReason.WORKER_LOST,
+                    detail=f"taken over by {self.worker_id}",
+                )
+            )
         seq = state.seq + 1 + len(events)
         first = state.status is Status.PENDING
         begin = (Started if first else Resumed)(
-            rollout_id=state.rollout_id, seq=seq, attempt=state.attempt + 1,
-            worker_id=self.worker_id, weight_version=self.engine.weight_version,
+            rollout_id=state.rollout_id,
+            seq=seq,
+            attempt=state.attempt + 1,
+            worker_id=self.worker_id,
+            weight_version=self.engine.weight_version,
         )
         return await self.checkpointer.append(state, [*events, begin])
 
@@ -185,16 +193,24 @@ class RolloutRunner:
         return state
 
     async def _finish(
-        self, state: RolloutState, chunks: list[Chunk], reason: FinishReason,
+        self,
+        state: RolloutState,
+        chunks: list[Chunk],
+        reason: FinishReason,
         stop_reason: int | str | None,
     ) -> RolloutState:
         events: list[Event] = []
         if chunks:
             events.append(self._tokens_event(state, chunks))
-        events.append(Finished(
-            rollout_id=state.rollout_id, seq=state.seq + 1 + len(events), attempt=state.attempt,
-            finish_reason=reason, stop_reason=stop_reason,
-        ))
+        events.append(
+            Finished(
+                rollout_id=state.rollout_id,
+                seq=state.seq + 1 + len(events),
+                attempt=state.attempt,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+            )
+        )
         return await self.checkpointer.append(state, events)
 
     async def _abort(
@@ -203,10 +219,15 @@ class RolloutRunner:
         events: list[Event] = []
         if chunks:
             events.append(self._tokens_event(state, chunks))
-        events.append(Aborted(
-            rollout_id=state.rollout_id, seq=state.seq + 1 + len(events), attempt=state.attempt,
-            reason=reason, detail=detail,
-        ))
+        events.append(
+            Aborted(
+                rollout_id=state.rollout_id,
+                seq=state.seq + 1 + len(events),
+                attempt=state.attempt,
+                reason=reason,
+                detail=detail,
+            )
+        )
         return await self.checkpointer.append(state, events)
 
     def _tokens_event(self, state: RolloutState, chunks: list[Chunk]) -> TokensAppended:
@@ -220,8 +241,13 @@ class RolloutRunner:
         self.stats.tokens += len(ids)
         self.stats.nonfinite_logprobs += nonfinite
         return TokensAppended(
-            rollout_id=state.rollout_id, seq=state.seq + 1, attempt=state.attempt,
-            offset=state.num_tokens, token_ids=ids, logprobs=logprobs, weight_versions=versions,
+            rollout_id=state.rollout_id,
+            seq=state.seq + 1,
+            attempt=state.attempt,
+            offset=state.num_tokens,
+            token_ids=ids,
+            logprobs=logprobs,
+            weight_versions=versions,
             routed_experts=None if routes[0] is None else np.concatenate(routes),  # type: ignore[arg-type]
             nonfinite_logprobs=nonfinite,
         )

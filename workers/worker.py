@@ -70,8 +70,9 @@ class Worker:
         rq = RqBridge(cfg.redis_url, list(cfg.queues), cfg.name)
         await rq.register()
         beat = asyncio.create_task(self._heartbeat(rq))
-        log.info("worker %s on %s, up to %d rollouts at once", cfg.name, cfg.queues,
-                 cfg.max_concurrency)
+        log.info(
+            "worker %s on %s, up to %d rollouts at once", cfg.name, cfg.queues, cfg.max_concurrency
+        )
         try:
             await self._take_jobs(rq)
         finally:
@@ -127,12 +128,14 @@ class Worker:
         elif outcome is Outcome.ABORTED:
             await rq.requeue(running, at_front=True)  # shutdown: first in line for the next worker
         else:
-            await rq.succeed(running, {"rollout_id": rid, "status": state.status.value,
-                                       "outcome": outcome.value})
+            await rq.succeed(
+                running, {"rollout_id": rid, "status": state.status.value, "outcome": outcome.value}
+            )
 
     async def _fail(self, state: RolloutState, error: str) -> RolloutState:
-        event = Failed(rollout_id=state.rollout_id, seq=state.seq + 1, error=error,
-                       attempts=state.attempt)
+        event = Failed(
+            rollout_id=state.rollout_id, seq=state.seq + 1, error=error, attempts=state.attempt
+        )
         return await self.store.append(state, event)
 
     async def _heartbeat(self, rq: RqBridge) -> None:

@@ -19,18 +19,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
     parser.add_argument("--engine", choices=ENGINES, default="cpu")
     parser.add_argument("--model", help="model directory (HF layout) for the cpu engine")
-    parser.add_argument("--max-concurrency", type=int, default=4,
-                        help="rollouts generating at once on this engine (default 4)")
-    parser.add_argument("--queue", action="append", dest="queues",
-                        help=f"rq queue to take work from (repeatable; default {defaults.QUEUE_NAME})")
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=4,
+        help="rollouts generating at once on this engine (default 4)",
+    )
+    parser.add_argument(
+        "--queue",
+        action="append",
+        dest="queues",
+        help=f"rq queue to take work from (repeatable; default {defaults.QUEUE_NAME})",
+    )
     parser.add_argument("--name", help="worker name (default host.pid.random)")
     parser.add_argument("--checkpoint-tokens", type=int, default=defaults.CHECKPOINT_TOKENS)
-    parser.add_argument("--checkpoint-interval", type=float, default=defaults.CHECKPOINT_INTERVAL_S,
-                        help="seconds")
+    parser.add_argument(
+        "--checkpoint-interval", type=float, default=defaults.CHECKPOINT_INTERVAL_S, help="seconds"
+    )
     parser.add_argument("--max-engine-attempts", type=int, default=defaults.MAX_ENGINE_ATTEMPTS)
     parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    parser.add_argument("--weight-version", type=int, default=0,
-                        help="version of the weights the engine starts with")
+    parser.add_argument(
+        "--weight-version",
+        type=int,
+        default=0,
+        help="version of the weights the engine starts with",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,10 +51,13 @@ def run(args: argparse.Namespace) -> int:
     engine = make_engine(args.engine, args.model, weight_version=args.weight_version)
     extra = {"name": args.name} if args.name else {}
     config = WorkerConfig(
-        redis_url=args.redis, queues=tuple(args.queues or (defaults.QUEUE_NAME,)),
+        redis_url=args.redis,
+        queues=tuple(args.queues or (defaults.QUEUE_NAME,)),
         max_concurrency=args.max_concurrency,
         cadence=Cadence(tokens=args.checkpoint_tokens, interval_s=args.checkpoint_interval),
-        max_engine_attempts=args.max_engine_attempts, burst=args.burst, **extra,
+        max_engine_attempts=args.max_engine_attempts,
+        burst=args.burst,
+        **extra,
     )
     worker = Worker(config, engine)
 
@@ -53,10 +69,18 @@ def run(args: argparse.Namespace) -> int:
             stats = await worker.run()
         finally:
             await engine.close()
-        print(json.dumps({"worker": config.name, "tokens": stats.tokens,
-                          "checkpoints": stats.checkpoints,
-                          "nonfinite_logprobs": stats.nonfinite_logprobs,
-                          "outcomes": stats.outcomes}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "worker": config.name,
+                    "tokens": stats.tokens,
+                    "checkpoints": stats.checkpoints,
+                    "nonfinite_logprobs": stats.nonfinite_logprobs,
+                    "outcomes": stats.outcomes,
+                }
+            ),
+            flush=True,
+        )
 
     asyncio.run(main())
     return 0

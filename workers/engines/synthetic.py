@@ -20,8 +20,15 @@ from workers.errors import EngineClosed, EngineError, RequestAborted
 
 class SyntheticEngine:
     def __init__(
-        self, *, weight_version: int = 0, vocab: int = 32_000, tokens_per_chunk: int = 16,
-        experts: int = 0, layers: int = 2, top_k: int = 2, poison_token: int | None = None,
+        self,
+        *,
+        weight_version: int = 0,
+        vocab: int = 32_000,
+        tokens_per_chunk: int = 16,
+        experts: int = 0,
+        layers: int = 2,
+        top_k: int = 2,
+        poison_token: int | None = None,
     ) -> None:
         self._weight_version = weight_version
         self.vocab = vocab
@@ -52,8 +59,13 @@ class SyntheticEngine:
             idx = np.arange(done, done + n)
             routes = None
             if self.experts:
-                routes = ((idx[:, None, None] + np.arange(self.layers * self.top_k).reshape(
-                    1, self.layers, self.top_k)) % self.experts).astype(expert_dtype(self.experts))
+                routes = (
+                    (
+                        idx[:, None, None]
+                        + np.arange(self.layers * self.top_k).reshape(1, self.layers, self.top_k)
+                    )
+                    % self.experts
+                ).astype(expert_dtype(self.experts))
             done += n
             yield Chunk(
                 token_ids=((base + idx) % self.vocab).astype(np.int32),
