@@ -7,7 +7,8 @@ Events carry facts only; whether a fact may follow the current state is decided 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,10 @@ from statemachine.states import AbortReason, FinishReason
 class Event:
     rollout_id: str
     seq: int
-    # Unix time the writer recorded it: for people and metrics, never for decisions (clocks
-    # of different machines disagree; ``seq`` orders a rollout's events).
-    at: float = 0.0
+    # Unix time the writer created it: for people and metrics, never for decisions (clocks
+    # of different machines disagree; ``seq`` orders a rollout's events). Decoding restores
+    # the stored value, so a replay is still a pure function of the log.
+    at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollout_id, str) or not self.rollout_id:

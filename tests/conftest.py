@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -15,6 +16,22 @@ from store.server import RedisServer
 # Tests never reach a model hub: everything they load is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Qwen3 model with a locally trained tokenizer (no download)."""
+    from workers.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "dense", moe=False, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same, Qwen3-MoE: 8 experts, top-2, 2 layers."""
+    from workers.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "moe", moe=True, seed=0)
 
 
 @pytest.fixture(scope="session")

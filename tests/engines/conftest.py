@@ -20,17 +20,7 @@ import pytest
 
 from workers.engines.base import Engine
 from workers.engines.cpu import CpuEngine
-from workers.tiny_model import make_tiny_checkpoint, make_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "dense", moe=False, seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "moe", moe=True, seed=0)
+from workers.tiny_model import make_tiny_checkpoint
 
 
 @dataclass(frozen=True)

@@ -239,11 +239,13 @@ def test_bad_requests_are_refused() -> None:
 
 
 def test_fold_equals_stepwise_apply() -> None:
-    s0 = apply(None, f.submitted())
+    sub = f.submitted()
+    s0 = apply(None, sub)
     s1 = apply(s0, f.started(s0))
     s2 = apply(s1, f.tokens(s1))
-    events = [f.submitted(), f.started(s0), f.tokens(s1), f.finished(s2)]
-    assert fold(events) == apply(s2, f.finished(s2))
+    done = f.finished(s2)
+    events = [sub, f.started(s0), s2.chunks[0], done]
+    assert fold(events) == apply(s2, done)
 
 
 def test_statemachine_imports_no_io_or_ml_libraries() -> None:
