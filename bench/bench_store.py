@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -91,33 +92,51 @@ def split(items: list, parts: int) -> list[list]:
     return [items[i::parts] for i in range(parts)]
 
 
+def prebuilt(states: list[RolloutState], data: list[list[dict]]) -> list[list[TokensAppended]]:
+    """Every chunk's event, built before the clock starts: building events is the producer's
+    work (the engine's output wrapped), as building blobs is on the raw side."""
+    out = []
+    for s, chunks in zip(states, data):
+        out.append(
+            [
+                TokensAppended(
+                    rollout_id=s.rollout_id, seq=s.seq + 1 + c, attempt=s.attempt, **chunk
+                )
+                for c, chunk in enumerate(chunks)
+            ]
+        )
+    return out
+
+
 async def run_store_batched(
     store: EventStore, data: list[list[dict]], max_tokens: int, writers: int
 ) -> float:
     states = await start_rollouts(store, "b", len(data), max_tokens)
+    events = prebuilt(states, data)
 
-    async def writer(states: list[RolloutState], data: list[list[dict]]) -> None:
-        for c in range(len(data[0])):
-            results = await store.append_many([(s, [event(s, d[c])]) for s, d in zip(states, data)])
+    async def writer(states: list[RolloutState], events: list[list[TokensAppended]]) -> None:
+        for c in range(len(events[0])):
+            results = await store.append_many([(s, [e[c]]) for s, e in zip(states, events)])
             assert all(isinstance(r, RolloutState) for r in results), results[:1]
             states = results  # type: ignore[assignment]
 
     t0 = time.perf_counter()
     await asyncio.gather(
-        *(writer(s, d) for s, d in zip(split(states, writers), split(data, writers)))
+        *(writer(s, e) for s, e in zip(split(states, writers), split(events, writers)))
     )
     return time.perf_counter() - t0
 
 
 async def run_store_concurrent(store: EventStore, data: list[list[dict]], max_tokens: int) -> float:
     states = await start_rollouts(store, "c", len(data), max_tokens)
+    events = prebuilt(states, data)
 
-    async def one(state: RolloutState, chunks: list[dict]) -> None:
-        for chunk in chunks:
-            state = await store.append(state, event(state, chunk))
+    async def one(state: RolloutState, events: list[TokensAppended]) -> None:
+        for e in events:
+            state = await store.append(state, e)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(s, d) for s, d in zip(states, data)))
+    await asyncio.gather(*(one(s, e) for s, e in zip(states, events)))
     return time.perf_counter() - t0
 
 
@@ -159,14 +178,19 @@ async def main(args: argparse.Namespace) -> dict:
         blob_size = len(codec.encode(event(sample[0], first)))
         await client.flushall()
 
-        raw_s = await run_raw(client, data, blob_size, args.writers)
-        raw_mem = await used_memory(client)
-        await client.flushall()
-
-        mem0 = await used_memory(client)
-        store_s = await run_store_batched(store, data, max_tokens, args.writers)
-        store_mem = await used_memory(client) - mem0
-        await client.flushall()
+        # Alternate the two sides for several rounds on the same server and compare medians:
+        # this machine's speed drifts by 2x between runs, and whichever side ran first on a
+        # fresh server would otherwise look better.
+        raw_times, store_times, raw_mem, store_mem = [], [], 0, 0
+        for _ in range(args.rounds):
+            raw_times.append(await run_raw(client, data, blob_size, args.writers))
+            raw_mem = await used_memory(client)
+            await client.flushall()
+            mem0 = await used_memory(client)
+            store_times.append(await run_store_batched(store, data, max_tokens, args.writers))
+            store_mem = await used_memory(client) - mem0
+            await client.flushall()
+        raw_s, store_s = statistics.median(raw_times), statistics.median(store_times)
 
         conc_s = await run_store_concurrent(store, data, max_tokens)
         await client.aclose()
@@ -176,6 +200,7 @@ async def main(args: argparse.Namespace) -> dict:
         "tokens_per_event": args.tokens,
         "appendfsync": args.fsync,
         "writers": args.writers,
+        "rounds": args.rounds,
         "store_events_per_s": round(n_events / store_s, 1),
         "store_tokens_per_s": round(n_tokens / store_s, 1),
         "raw_events_per_s": round(n_events / raw_s, 1),
@@ -201,6 +226,7 @@ if __name__ == "__main__":
         default=4,
         help="concurrent batched writers, like worker processes sharing one Redis",
     )
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per side")
     ap.add_argument("--fsync", default="everysec", choices=["always", "everysec", "no"])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args()

@@ -58,7 +58,9 @@ Fields = dict[str, Any]
 
 def pack_array(arr: npt.NDArray[Any]) -> list[Any]:
     le = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
-    return [le.str, list(arr.shape), np.ascontiguousarray(arr, dtype=le).tobytes()]
+    # A byte view, not tobytes(): msgpack copies the bytes into the record once, not twice.
+    data = memoryview(np.ascontiguousarray(arr, dtype=le)).cast("B")
+    return [le.str, list(arr.shape), data]
 
 
 def unpack_array(packed: Any) -> npt.NDArray[Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,14 @@ class RolloutState:
     error: str | None = None
 
     __hash__ = None  # type: ignore[assignment]  # holds a request with a metadata dict
+
+    def evolve(self, **changes: Any) -> RolloutState:
+        """``dataclasses.replace`` without its per-call introspection: ``apply`` runs once per
+        appended chunk on the worker's hot path, where replace() measured 2x slower."""
+        new = object.__new__(RolloutState)
+        for name in _FIELDS:
+            _set(new, name, changes[name] if name in changes else getattr(self, name))
+        return new
 
     # -- status -----------------------------------------------------------------------------
     @property
@@ -96,3 +104,7 @@ class RolloutState:
             max_tokens=remaining,
             min_tokens=min(remaining, max(0, s.min_tokens - self.num_tokens)),
         )
+
+
+_FIELDS = tuple(f.name for f in fields(RolloutState))
+_set = object.__setattr__

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 from statemachine.errors import (
     AttemptMismatch,
@@ -107,8 +106,7 @@ def _submitted(_: RolloutState | None, e: Event, after: Status) -> RolloutState:
 def _begun(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Started | Resumed)
     _expect_attempt(s, e, e.attempt, s.attempt + 1)
-    return replace(
-        s,
+    return s.evolve(
         seq=e.seq,
         status=after,
         attempt=e.attempt,
@@ -132,32 +130,32 @@ def _tokens(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
             e.seq,
             f"{s.num_tokens} + {n} tokens exceed max_tokens {s.request.sampling.max_tokens}",
         )
-    return replace(s, seq=e.seq, status=after, num_tokens=s.num_tokens + n, chunks=(*s.chunks, e))
+    return s.evolve(seq=e.seq, status=after, num_tokens=s.num_tokens + n, chunks=(*s.chunks, e))
 
 
 def _aborted(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Aborted)
     _expect_attempt(s, e, e.attempt, s.attempt)
-    return replace(s, seq=e.seq, status=after, aborts=s.aborts + 1, abort_reason=e.reason)
+    return s.evolve(seq=e.seq, status=after, aborts=s.aborts + 1, abort_reason=e.reason)
 
 
 def _finished(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Finished)
     _expect_attempt(s, e, e.attempt, s.attempt)
-    return replace(
-        s, seq=e.seq, status=after, finish_reason=e.finish_reason, stop_reason=e.stop_reason
+    return s.evolve(
+        seq=e.seq, status=after, finish_reason=e.finish_reason, stop_reason=e.stop_reason
     )
 
 
 def _failed(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Failed)
     _expect_attempt(s, e, e.attempts, s.attempt)
-    return replace(s, seq=e.seq, status=after, error=e.error)
+    return s.evolve(seq=e.seq, status=after, error=e.error)
 
 
 def _cancelled(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Cancelled)
-    return replace(s, seq=e.seq, status=after, error=e.reason or None)
+    return s.evolve(seq=e.seq, status=after, error=e.reason or None)
 
 
 def _expect_attempt(s: RolloutState, e: Event, got: int, want: int) -> None:

@@ -114,7 +114,7 @@ class EventStore:
         return _Prepared(
             event=event,
             state=new_state,
-            keys=(self.keys.log(rid), self.keys.snapshot(rid)),
+            keys=self.keys.rollout(rid),
             args=(
                 event.seq,
                 "" if fence is None else str(fence),

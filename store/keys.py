@@ -6,6 +6,7 @@ rollout's log and snapshot live in one slot and the append script may touch both
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from store.errors import InvalidRolloutId
@@ -14,13 +15,12 @@ DEFAULT_NAMESPACE = "dr"
 _MAX_ID_LEN = 200
 
 
+# Braces would break the hash tag; whitespace and colons make keys ambiguous to read.
+_VALID_ID = re.compile(rf"[^{{}}:\s]{{1,{_MAX_ID_LEN}}}")
+
+
 def check_rollout_id(rollout_id: str) -> str:
-    # Braces would break the hash tag; whitespace and colons make keys ambiguous to read.
-    if (
-        not isinstance(rollout_id, str)
-        or not 0 < len(rollout_id) <= _MAX_ID_LEN
-        or any(c in rollout_id for c in "{}: \t\r\n")
-    ):
+    if not isinstance(rollout_id, str) or _VALID_ID.fullmatch(rollout_id) is None:
         raise InvalidRolloutId(
             f"rollout id must be 1-{_MAX_ID_LEN} characters without braces, colons or "
             f"whitespace, got {rollout_id!r}"
@@ -37,3 +37,8 @@ class Keys:
 
     def snapshot(self, rollout_id: str) -> str:
         return f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}:snap"
+
+    def rollout(self, rollout_id: str) -> tuple[str, str]:
+        """``(log, snapshot)``: what the append script gets as KEYS, checked once."""
+        base = f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}"
+        return f"{base}:log", f"{base}:snap"
