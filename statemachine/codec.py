@@ -59,7 +59,7 @@ Fields = dict[str, Any]
 def pack_array(arr: npt.NDArray[Any]) -> list[Any]:
     le = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
     # A byte view, not tobytes(): msgpack copies the bytes into the record once, not twice.
-    data = memoryview(np.ascontiguousarray(arr, dtype=le)).cast("B")
+    data = memoryview(np.ascontiguousarray(arr, dtype=le)).cast("B")  # type: ignore[arg-type]
     return [le.str, list(arr.shape), data]
 
 
