@@ -17,9 +17,25 @@ from workers.engines.cpu import CpuEngine
 def start_worker(
     url: str, model: Path, name: str, log: Path, *extra: str, concurrency: int = 2
 ) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "workers.cli", "worker", "--redis", url, "--engine", "cpu",
-           "--model", str(model), "--max-concurrency", str(concurrency), "--name", name,
-           "--checkpoint-tokens", "8", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "workers.cli",
+        "worker",
+        "--redis",
+        url,
+        "--engine",
+        "cpu",
+        "--model",
+        str(model),
+        "--max-concurrency",
+        str(concurrency),
+        "--name",
+        name,
+        "--checkpoint-tokens",
+        "8",
+        *extra,
+    ]
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
@@ -38,8 +54,10 @@ def attempt_intervals(events_by_rollout: dict[str, list[Event]]) -> dict[str, li
 
 
 def max_overlap(intervals: list[tuple]) -> int:
-    points = sorted([(s, 1) for s, _, _ in intervals] + [(e, -1) for _, e, _ in intervals],
-                    key=lambda p: (p[0], p[1]))  # ends before starts at the same instant
+    points = sorted(
+        [(s, 1) for s, _, _ in intervals] + [(e, -1) for _, e, _ in intervals],
+        key=lambda p: (p[0], p[1]),
+    )  # ends before starts at the same instant
     level = peak = 0
     for _, step in points:
         level += step
@@ -53,10 +71,18 @@ async def direct_greedy(model: Path, prompts: list[tuple[int, ...]], sampling) -
     try:
         out = []
         for i, prompt in enumerate(prompts):
-            chunks = [c async for c in engine.generate(
-                EngineRequest(request_id=f"ref{i}", prompt_token_ids=prompt, sampling=sampling))]
-            out.append((np.concatenate([c.token_ids for c in chunks]),
-                        np.concatenate([c.logprobs for c in chunks])))
+            chunks = [
+                c
+                async for c in engine.generate(
+                    EngineRequest(request_id=f"ref{i}", prompt_token_ids=prompt, sampling=sampling)
+                )
+            ]
+            out.append(
+                (
+                    np.concatenate([c.token_ids for c in chunks]),
+                    np.concatenate([c.logprobs for c in chunks]),
+                )
+            )
         return out
     finally:
         await engine.close()

@@ -47,11 +47,16 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
 async def test_two_workers_two_slots_six_rollouts(
     server: RedisServer, tiny_moe_dir: Path, tmp_path: Path
 ) -> None:
-    client = RolloutClient(server.url)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_moe_dir)
+    client = RolloutClient(server.url, tokenizer=tokenizer)
     ps = prompts(6)
     ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=GREEDY) for p in ps])
-    workers = [start_worker(server.url, tiny_moe_dir, f"w{i}", tmp_path / f"w{i}.log", "--burst")
-               for i in (1, 2)]
+    workers = [
+        start_worker(server.url, tiny_moe_dir, f"w{i}", tmp_path / f"w{i}.log", "--burst")
+        for i in (1, 2)
+    ]
     sync = Redis.from_url(server.url)
     busiest = 0
     try:
@@ -83,21 +88,26 @@ async def test_two_workers_two_slots_six_rollouts(
         np.testing.assert_array_equal(r.response_token_ids, ref_ids)
         np.testing.assert_allclose(r.logprobs, ref_lp, atol=1e-5)
         assert (r.weight_versions == 0).all()
+        assert r.prompt_token_ids == prompt
+        # Text is decoded from all response ids at once with the model's tokenizer.
+        assert r.text == tokenizer.decode(ref_ids.tolist(), skip_special_tokens=True)
         # One routed-experts row per generated token, equal to the HF router's top-k.
         assert r.routed_experts is not None and r.routed_experts.dtype == np.uint8
         n = len(r.response_token_ids)
         assert r.routed_experts.shape == (n, 2, 2)
         hf = hf_routing(tiny_moe_dir, [*prompt, *r.response_token_ids.tolist()])
         start = len(prompt) - 1
-        np.testing.assert_array_equal(np.sort(r.routed_experts, -1),
-                                      np.sort(hf[start:start + n], -1))
+        np.testing.assert_array_equal(
+            np.sort(r.routed_experts, -1), np.sort(hf[start : start + n], -1)
+        )
 
     # rq's books are truthful: 6 finished jobs, no worker left registered.
     queue = rollout_queue(sync)
     assert FinishedJobRegistry(queue=queue).count == 6
     rq_cli = Path(sys.executable).with_name("rq")  # the venv's console script
-    info = subprocess.run([str(rq_cli), "info", "-u", server.url], capture_output=True,
-                          text=True, check=True).stdout
+    info = subprocess.run(
+        [str(rq_cli), "info", "-u", server.url], capture_output=True, text=True, check=True
+    ).stdout
     assert "6 finished" in info and "0 workers" in info
     await client.aclose()
 
@@ -109,8 +119,15 @@ async def test_poison_request_fails_alone(
     good = [RolloutRequest(prompt_token_ids=p, sampling=GREEDY) for p in prompts(3)]
     poison = RolloutRequest(prompt_token_ids=(5, 10**6, 7), sampling=GREEDY)  # not in vocab
     ids = await client.submit([good[0], poison, good[1], good[2]])
-    worker = start_worker(server.url, tiny_dense_dir, "wp", tmp_path / "wp.log", "--burst",
-                          "--max-engine-attempts", "2")
+    worker = start_worker(
+        server.url,
+        tiny_dense_dir,
+        "wp",
+        tmp_path / "wp.log",
+        "--burst",
+        "--max-engine-attempts",
+        "2",
+    )
     try:
         results = await client.wait(ids, timeout=180)
         assert worker.wait(60) == 0
@@ -122,7 +139,13 @@ async def test_poison_request_fails_alone(
     assert "outside the vocabulary" in (failed.error or "") and failed.attempts == 2
     events = await client.store.events(ids[1])
     assert [type(e).__name__ for e in events] == [
-        "Submitted", "Started", "Aborted", "Resumed", "Aborted", "Failed"]
+        "Submitted",
+        "Started",
+        "Aborted",
+        "Resumed",
+        "Aborted",
+        "Failed",
+    ]
     queue = rollout_queue(Redis.from_url(server.url))
     assert FailedJobRegistry(queue=queue).count == 1
     assert FinishedJobRegistry(queue=queue).count == 3

@@ -1,0 +1,114 @@
+"""The rollout runner in-process, on a real redis-server: checkpoints, clamping, takeover."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import asyncio
+
+import numpy as np
+import pytest
+import redis.asyncio as aredis
+
+from statemachine import AbortReason, Status
+from statemachine.arrays import LOGPROB_FLOOR
+from store import EventStore, StaleAttempt
+from workers.checkpoint import Checkpointer
+from workers.engines.base import Chunk, EngineRequest
+from workers.engines.synthetic import SyntheticEngine
+from workers.runner import Cadence, Outcome, RolloutRunner, Stats
+from tests import factories as f
+
+
+class NonFiniteEngine(SyntheticEngine):
+    """Every 5th logprob NaN, every 7th +inf or -inf: what a GPU occasionally returns."""
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
+        async for chunk in super().generate(request):
+            lp = chunk.logprobs.copy()
+            base = request.sampling.max_tokens - len(lp)  # not the offset; any pattern will do
+            idx = np.arange(len(lp)) + base
+            lp[idx % 5 == 0] = np.nan
+            lp[idx % 7 == 0] = np.inf
+            lp[idx % 11 == 0] = -np.inf
+            yield Chunk(
+                token_ids=chunk.token_ids,
+                logprobs=lp,
+                routed_experts=chunk.routed_experts,
+                finish_reason=chunk.finish_reason,
+                weight_version=chunk.weight_version,
+            )
+
+
+async def submit(store: EventStore, rid: str, max_tokens: int) -> None:
+    await store.append(None, f.submitted(rid, max_tokens=max_tokens))
+
+
+async def test_nonfinite_logprobs_are_clamped_counted_and_harmless(
+    real_redis: aredis.Redis,
+) -> None:
+    assert LOGPROB_FLOOR == -9999.0  # the documented floor
+    store = EventStore(real_redis)
+    await submit(store, "nan", 64)
+    stats = Stats()
+    runner = RolloutRunner(
+        store,
+        Checkpointer(store),
+        NonFiniteEngine(tokens_per_chunk=4),
+        "w",
+        cadence=Cadence(tokens=8),
+        stats=stats,
+    )
+    result = await runner.run("nan")
+    assert result.outcome is Outcome.FINISHED and result.state.status is Status.DONE
+    state = await store.load("nan")
+    assert state.num_tokens == 64 and np.isfinite(state.logprobs).all()
+    clamped = int((state.logprobs == np.float32(-9999.0)).sum())
+    assert clamped > 10
+    assert state.nonfinite_logprobs == clamped == stats.nonfinite_logprobs
+    assert state == await store.replay("nan")
+
+
+async def test_checkpoints_follow_the_cadence_and_group_commit(real_redis: aredis.Redis) -> None:
+    store = EventStore(real_redis)
+    for i in range(4):
+        await submit(store, f"c{i}", 40)
+    checkpointer = Checkpointer(store)
+    runner = RolloutRunner(
+        store,
+        checkpointer,
+        SyntheticEngine(tokens_per_chunk=4, experts=8),
+        "w",
+        cadence=Cadence(tokens=8, interval_s=60),
+    )
+    results = await asyncio.gather(*(runner.run(f"c{i}") for i in range(4)))
+    assert all(r.outcome is Outcome.FINISHED for r in results)
+    for i in range(4):
+        events = await store.events(f"c{i}")
+        sizes = [len(e) for e in events if hasattr(e, "token_ids")]
+        assert sum(sizes) == 40 and all(8 <= n for n in sizes[:-1])  # >= K tokens per checkpoint
+        state = await store.load(f"c{i}")
+        assert state.routed_experts is not None and state.routed_experts.shape == (40, 2, 2)
+    # Four rollouts' checkpoints shared round trips.
+    total_appends = 0
+    for i in range(4):
+        total_appends += len(await store.events(f"c{i}")) - 1  # all but Submitted
+    assert checkpointer.round_trips < total_appends
+
+
+async def test_a_live_attempt_is_taken_over_and_fenced_out(real_redis: aredis.Redis) -> None:
+    store = EventStore(real_redis)
+    s = await store.append(None, f.submitted("t", max_tokens=32))
+    s = await store.append(s, f.started(s, worker="old"))
+    s = await store.append(s, f.tokens(s, n=5))  # the old worker saved 5 tokens, then vanished
+    runner = RolloutRunner(store, Checkpointer(store), SyntheticEngine(), "new")
+    result = await runner.run("t")
+    assert result.outcome is Outcome.FINISHED
+    state = result.state
+    assert state.num_tokens == 32 and state.attempt == 2 and state.aborts == 1
+    events = await store.events("t")
+    assert [type(e).__name__ for e in events[3:5]] == ["Aborted", "Resumed"]
+    assert events[3].reason is AbortReason.WORKER_LOST
+    # The old attempt's late write is refused.
+    with pytest.raises(StaleAttempt):
+        await store.append(s, f.tokens(s, n=1))
