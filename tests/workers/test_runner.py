@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import asyncio
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -13,11 +12,11 @@ import redis.asyncio as aredis
 from statemachine import AbortReason, Status
 from statemachine.arrays import LOGPROB_FLOOR
 from store import EventStore, StaleAttempt
+from tests import factories as f
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Chunk, EngineRequest
 from workers.engines.synthetic import SyntheticEngine
 from workers.runner import Cadence, Outcome, RolloutRunner, Stats
-from tests import factories as f
 
 
 class NonFiniteEngine(SyntheticEngine):
@@ -86,7 +85,7 @@ async def test_checkpoints_follow_the_cadence_and_group_commit(real_redis: aredi
     for i in range(4):
         events = await store.events(f"c{i}")
         sizes = [len(e) for e in events if hasattr(e, "token_ids")]
-        assert sum(sizes) == 40 and all(8 <= n for n in sizes[:-1])  # >= K tokens per checkpoint
+        assert sum(sizes) == 40 and all(n >= 8 for n in sizes[:-1])  # >= K tokens per checkpoint
         state = await store.load(f"c{i}")
         assert state.routed_experts is not None and state.routed_experts.shape == (40, 2, 2)
     # Four rollouts' checkpoints shared round trips.
