@@ -31,6 +31,7 @@ weights before its next token is sampled; tokens after the swap carry the new ve
 from __future__ import annotations
 
 import asyncio
+import os
 import contextlib
 import itertools
 import secrets
@@ -94,7 +95,14 @@ _END = object()  # queued to wake a consumer whose request was aborted
 class CpuEngine:
     """`Engine` on a local Hugging Face model directory (see the module docstring)."""
 
-    def __init__(self, model_dir: str | Path, *, weight_version: int = 0) -> None:
+    def __init__(
+        self, model_dir: str | Path, *, weight_version: int = 0, threads: int | None = None
+    ) -> None:
+        # torch's intra-op pool spins on every core it owns; sharing those cores with the
+        # worker's event loop and Redis client made every decode step wait on a descheduled
+        # thread (measured: durable/direct fell to ~0.7 with all cores, bench_overhead.py).
+        # Leave one core to the rest of the process by default.
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
         self._model = CpuModel(model_dir)
         self._weight_version = weight_version
         self._serials = itertools.count()
