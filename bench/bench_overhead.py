@@ -25,12 +25,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from statemachine import Finished, RolloutRequest, SamplingParams  # noqa: E402
-from store.client import RolloutClient  # noqa: E402
-from store.server import RedisServer  # noqa: E402
-from workers.engines.base import Engine, EngineRequest  # noqa: E402
-from workers.engines.synthetic import SyntheticEngine  # noqa: E402
-from workers.worker import Worker, WorkerConfig  # noqa: E402
+from statemachine import Finished, RolloutRequest, SamplingParams
+from store.client import RolloutClient
+from store.server import RedisServer
+from workers.engines.base import Engine, EngineRequest
+from workers.engines.synthetic import SyntheticEngine
+from workers.worker import Worker, WorkerConfig
 
 
 def requests(n: int, max_tokens: int) -> list[RolloutRequest]:
@@ -71,7 +71,7 @@ async def durable(engine: Engine, url: str, reqs: list[RolloutRequest], concurre
     results = []
     for rid in ids:
         events = await client.store.events(rid)
-        t1 = max(t1, max(e.at for e in events if isinstance(e, Finished)))
+        t1 = max(t1, *(e.at for e in events if isinstance(e, Finished)))
         results.append((await client.store.load(rid)).token_ids)
     await client.aclose()
     return t1 - t0, results, worker.stats

@@ -31,9 +31,9 @@ weights before its next token is sampled; tokens after the swap carry the new ve
 from __future__ import annotations
 
 import asyncio
-import os
 import contextlib
 import itertools
+import os
 import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
