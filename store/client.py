@@ -23,6 +23,7 @@ from store.event_store import EventStore
 from store.keys import Keys, check_rollout_id
 from store.queue import enqueue_rollouts_async, rollout_queue
 from store.results import RolloutResult, Tokenizer
+from store.weights import WeightRegistry, WeightVersion
 
 T = TypeVar("T")
 
@@ -42,6 +43,7 @@ class RolloutClient:
     ) -> None:
         self.redis = aredis.Redis.from_url(url)
         self.store = EventStore(self.redis, keys)
+        self.weights = WeightRegistry(self.redis, keys)
         # rq is synchronous: it gets its own (sync) connection, used from a thread.
         self._queue = rollout_queue(redis.Redis.from_url(url), queue_name)
         self.tokenizer = tokenizer
@@ -70,6 +72,11 @@ class RolloutClient:
         # Enqueued after the record exists, so a worker never sees a job without a rollout.
         await enqueue_rollouts_async(self._queue, ids)
         return list(ids)
+
+    async def publish_weights(self, version: int, path: str) -> WeightVersion:
+        """Record weight ``version`` (at checkpoint ``path``) and so notify every worker.
+        Versions only go up: an older or equal one raises ``StaleWeightVersion``."""
+        return await self.weights.publish(version, path)
 
     async def statuses(self, ids: Sequence[str]) -> list[str]:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -133,6 +140,9 @@ class SyncRolloutClient:
 
     def result(self, rollout_id: str) -> RolloutResult:
         return self._call(self._client.result(rollout_id))
+
+    def publish_weights(self, version: int, path: str) -> WeightVersion:
+        return self._call(self._client.publish_weights(version, path))
 
     def close(self) -> None:
         self._call(self._client.aclose())

@@ -38,6 +38,10 @@ class Keys:
     def snapshot(self, rollout_id: str) -> str:
         return f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}:snap"
 
+    def weights(self) -> str:
+        """The weight-version log: one per deployment, so no rollout hash tag."""
+        return f"{self.namespace}:weights"
+
     def rollout(self, rollout_id: str) -> tuple[str, str]:
         """``(log, snapshot)``: what the append script gets as KEYS, checked once."""
         base = f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}"

@@ -11,6 +11,15 @@ import numpy.typing as npt
 from statemachine import FinishReason, RolloutState, Status
 
 
+def version_segments(versions: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
+    if len(versions) == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(versions)) + 1
+    starts = [0, *cuts.tolist()]
+    ends = [*cuts.tolist(), len(versions)]
+    return [(int(versions[s]), s, e) for s, e in zip(starts, ends, strict=True)]
+
+
 class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], **kwargs: Any) -> str: ...
 
@@ -33,6 +42,12 @@ class RolloutResult:
     nonfinite_logprobs: int
     group_id: str | None
     metadata: dict[str, Any]
+
+    @property
+    def version_segments(self) -> list[tuple[int, int, int]]:
+        """``(version, start, end)`` runs of response tokens sampled by one weight version,
+        ``end`` exclusive: ``[(3, 0, 120), (4, 120, 256)]`` for an update after token 120."""
+        return version_segments(self.weight_versions)
 
     @classmethod
     def from_state(cls, state: RolloutState, tokenizer: Tokenizer | None = None) -> RolloutResult:

@@ -70,3 +70,4 @@ class Script:
 
 
 APPEND = Script("append")
+PUBLISH_WEIGHTS = Script("publish_weights")

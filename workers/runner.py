@@ -83,17 +83,35 @@ class RolloutRunner:
         self.worker_id = worker_id
         self.cadence = cadence or Cadence()
         self.stats = stats or Stats()
-        self._stop_reasons: dict[str, AbortReason] = {}
+        self._stop_reasons: dict[str, tuple[AbortReason, str]] = {}
         self._request_ids: dict[str, str] = {}
+        self.active: set[str] = set()  # rollouts inside run()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
-    async def stop(self, rollout_id: str, reason: AbortReason) -> None:
+    async def wait_idle(self) -> None:
+        """Until no rollout is inside ``run`` (every one finished, aborted or was lost)."""
+        await self._idle.wait()
+
+    async def stop(self, rollout_id: str, reason: AbortReason, detail: str = "") -> None:
         """Abort the rollout's engine request; ``run`` then saves progress and returns ABORTED."""
-        self._stop_reasons[rollout_id] = reason
+        self._stop_reasons[rollout_id] = (reason, detail)
         request_id = self._request_ids.get(rollout_id)
         if request_id is not None:
             await self.engine.abort(request_id)
 
     async def run(self, rollout_id: str) -> RunResult:
+        self._stop_reasons.pop(rollout_id, None)  # a stop meant for an earlier run
+        self.active.add(rollout_id)
+        self._idle.clear()
+        try:
+            return await self._run(rollout_id)
+        finally:
+            self.active.discard(rollout_id)
+            if not self.active:
+                self._idle.set()
+
+    async def _run(self, rollout_id: str) -> RunResult:
         state = await self.store.load(rollout_id)
         if state.terminal:
             return RunResult(Outcome.FINISHED, state)  # a duplicate or late job: nothing to do
@@ -142,8 +160,12 @@ class RolloutRunner:
             request_id=f"{rid}#{state.attempt}",
             prompt_token_ids=state.resume_prompt(),
             sampling=state.resume_sampling(),
+            resumed_tokens=state.num_tokens,
         )
         self._request_ids[rid] = request.request_id
+        if rid in self._stop_reasons:
+            # stop() came while the attempt was being opened, before there was a request.
+            await self.engine.abort(request.request_id)
         buffer: list[Chunk] = []
         buffered = 0
         last_flush = time.monotonic()
@@ -163,9 +185,9 @@ class RolloutRunner:
                     in_flight = asyncio.create_task(self._checkpoint(state, buffer))
                     buffer, buffered, last_flush = [], 0, time.monotonic()
         except RequestAborted:
-            reason = self._stop_reasons.get(rid, AbortReason.SHUTDOWN)
+            reason, detail = self._stop_reasons.get(rid, (AbortReason.SHUTDOWN, ""))
             state = await self._settle(in_flight, state)
-            return RunResult(Outcome.ABORTED, await self._abort(state, buffer, reason, ""))
+            return RunResult(Outcome.ABORTED, await self._abort(state, buffer, reason, detail))
         except EngineError as exc:
             error = f"{type(exc).__name__}: {exc}"
             state = await self._settle(in_flight, state)

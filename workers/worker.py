@@ -20,10 +20,12 @@ import redis.asyncio as aredis
 
 from statemachine import AbortReason, Failed, RolloutState
 from store import EventStore, defaults
+from store.weights import WeightRegistry
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Engine
 from workers.rq_bridge import RqBridge, Running
 from workers.runner import Cadence, Outcome, RolloutRunner, Stats
+from workers.weight_updates import WeightFollower, WeightMode
 
 log = logging.getLogger("rollouts.worker")
 
@@ -42,6 +44,7 @@ class WorkerConfig:
     heartbeat_s: float = 5.0
     burst: bool = False  # exit once the queues are empty and nothing is running
     shutdown_grace_s: float = 30.0
+    weight_mode: WeightMode = WeightMode.ABORT
 
 
 class Worker:
@@ -52,7 +55,11 @@ class Worker:
         self.engine = engine
         self.stats = Stats()
         self._stopping = asyncio.Event()
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.admitting = asyncio.Event()  # cleared while weights are being swapped
+        self.admitting.set()
+        self._rq: RqBridge | None = None
+        self.weights: WeightFollower | None = None
 
     def request_stop(self) -> None:
         """Stop taking jobs; running rollouts save their progress and go back to the queue."""
@@ -67,19 +74,24 @@ class Worker:
             store, checkpointer, self.engine, cfg.name, cadence=cfg.cadence, stats=self.stats
         )
         self.store = store
-        rq = RqBridge(cfg.redis_url, list(cfg.queues), cfg.name)
+        rq = self._rq = RqBridge(cfg.redis_url, list(cfg.queues), cfg.name)
+        self.weights = WeightFollower(self, WeightRegistry(client), cfg.weight_mode)
+        await self.weights.catch_up()
         await rq.register()
         beat = asyncio.create_task(self._heartbeat(rq))
+        follow = asyncio.create_task(self.weights.follow())
         log.info(
             "worker %s on %s, up to %d rollouts at once", cfg.name, cfg.queues, cfg.max_concurrency
         )
         try:
             await self._take_jobs(rq)
         finally:
+            follow.cancel()
             await self._shut_down(rq)
             beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            for task in (beat, follow):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await checkpointer.close()
             await rq.close()
             await client.aclose()
@@ -92,22 +104,24 @@ class Worker:
             if self._stopping.is_set():
                 slots.release()
                 break
+            await self.admitting.wait()  # no new work while weights are swapped
             running = await rq.dequeue(self.config.dequeue_timeout_s)
             if running is None:
                 slots.release()
-                if self.config.burst and not self._tasks:
+                if self.config.burst and not self.tasks:
                     break
                 continue
             task = asyncio.create_task(self._run_job(rq, running))
-            self._tasks[running.execution.id] = task
+            self.tasks[running.execution.id] = task
             task.add_done_callback(lambda _t, eid=running.execution.id: self._done(eid, slots))
 
     def _done(self, execution_id: str, slots: asyncio.Semaphore) -> None:
-        self._tasks.pop(execution_id, None)
+        self.tasks.pop(execution_id, None)
         slots.release()
 
     async def _run_job(self, rq: RqBridge, running: Running) -> None:
         rid = running.rollout_id
+        await self.admitting.wait()  # dequeued just as an update began: start on new weights
         try:
             result = await self.runner.run(rid)
         except Exception as exc:
@@ -126,7 +140,8 @@ class Worker:
                 return
             await rq.requeue(running, at_front=False)  # another attempt, maybe elsewhere
         elif outcome is Outcome.ABORTED:
-            await rq.requeue(running, at_front=True)  # shutdown: first in line for the next worker
+            # Shutdown or weight update: first in line for the next worker on current weights.
+            await rq.requeue(running, at_front=True)
         else:
             await rq.succeed(
                 running, {"rollout_id": rid, "status": state.status.value, "outcome": outcome.value}
@@ -148,7 +163,7 @@ class Worker:
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def _shut_down(self, rq: RqBridge) -> None:
-        tasks = list(self._tasks.values())
+        tasks = list(self.tasks.values())
         if not tasks:
             return
         log.info("stopping %d rollouts: progress is saved and their jobs requeued", len(tasks))

@@ -12,6 +12,7 @@ import signal
 from store import defaults
 from workers.engine_factory import ENGINES, make_engine
 from workers.runner import Cadence
+from workers.weight_updates import WeightMode
 from workers.worker import Worker, WorkerConfig
 
 
@@ -39,6 +40,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-engine-attempts", type=int, default=defaults.MAX_ENGINE_ATTEMPTS)
     parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     parser.add_argument(
+        "--weight-mode",
+        choices=[m.value for m in WeightMode],
+        default=WeightMode.ABORT.value,
+        help="on a new weight version: abort in-flight rollouts and resume them on the new "
+        "weights (default), drain them on the old ones first, or keep them in flight",
+    )
+    parser.add_argument(
         "--weight-version",
         type=int,
         default=0,
@@ -57,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         cadence=Cadence(tokens=args.checkpoint_tokens, interval_s=args.checkpoint_interval),
         max_engine_attempts=args.max_engine_attempts,
         burst=args.burst,
+        weight_mode=WeightMode(args.weight_mode),
         **extra,
     )
     worker = Worker(config, engine)

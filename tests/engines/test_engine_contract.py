@@ -189,9 +189,7 @@ async def test_seeded_sampling_reproducible_with_others_in_flight(engine: Engine
     assert greedy_run.token_ids != alone.token_ids  # temperature 1 really samples
 
 
-async def test_concurrent_greedy_equals_alone(
-    engine: Engine, prompts, engine_case: Any
-) -> None:
+async def test_concurrent_greedy_equals_alone(engine: Engine, prompts, engine_case: Any) -> None:
     alone = [await greedy(engine, p, request_id=f"a{i}") for i, p in enumerate(prompts)]
     together = await asyncio.gather(
         *(greedy(engine, p, request_id=f"t{i}") for i, p in enumerate(prompts))
@@ -315,9 +313,7 @@ async def test_load_weights_rejects_other_architecture(
 async def test_logprobs_match_a_direct_forward(
     engine: Engine, model_dir: Path, prompts, engine_case: Any
 ) -> None:
-    out = await collect(
-        engine, prompts[1], max_tokens=N, temperature=0.8, seed=7, ignore_eos=True
-    )
+    out = await collect(engine, prompts[1], max_tokens=N, temperature=0.8, seed=7, ignore_eos=True)
     assert np.all(np.isfinite(out.logprobs))
     assert np.all(out.logprobs <= 0.0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -12,8 +12,9 @@ from workers.engines.stopping import StopChecker
 
 def test_greedy_takes_argmax_and_reports_the_raw_logprob() -> None:
     logits = torch.tensor([0.0, 3.0, 1.0, 3.0])
-    token, logprob = sample(logits, SamplingParams(max_tokens=1, temperature=0.0), banned=[],
-                            generator=None)
+    token, logprob = sample(
+        logits, SamplingParams(max_tokens=1, temperature=0.0), banned=[], generator=None
+    )
     assert token == 1  # ties break to the lowest id
     assert logprob == float(torch.log_softmax(logits, -1)[1])
 

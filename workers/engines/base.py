@@ -30,6 +30,9 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    # How many trailing ids of `prompt_token_ids` are the rollout's own earlier output (a
+    # resume). Engines use it only so that a stop string straddling the resume point is seen.
+    resumed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -214,6 +214,9 @@ class CpuEngine:
             eos_token_ids=self._model.eos_token_ids,
             decode=self._model.decode,
             max_total_tokens=self._model.max_positions,
+            prior=request.prompt_token_ids[len(request.prompt_token_ids) - request.resumed_tokens :]
+            if request.resumed_tokens
+            else (),
         )
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
         tokens = list(request.prompt_token_ids)
@@ -338,4 +341,3 @@ def _settle(future: asyncio.Future[None], result: Any) -> None:
         future.set_exception(result)
     else:
         future.set_result(None)
-

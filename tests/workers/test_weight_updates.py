@@ -1,0 +1,160 @@
+"""In-flight weight updates: real worker subprocesses, a real redis-server, the CPU engine."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from statemachine import (
+    Aborted,
+    AbortReason,
+    RolloutRequest,
+    SamplingParams,
+    Status,
+    TokensAppended,
+)
+from store.client import RolloutClient
+from store.server import RedisServer
+from tests.workers.helpers import direct_greedy, start_worker
+from workers.tiny_model import make_tiny_checkpoint
+
+pytestmark = pytest.mark.redis_server
+
+
+@pytest.fixture
+def server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    with RedisServer(tmp_path / "redis") as s:
+        yield s
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
+    rng = np.random.default_rng(seed)
+    return [tuple(int(t) for t in rng.integers(10, 2000, 6)) for _ in range(n)]
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        p.wait(60)
+
+
+async def wait_tokens(client: RolloutClient, rid: str, at_least: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while (await client.store.load(rid)).num_tokens < at_least:
+        assert time.monotonic() < deadline, "no progress"
+        await asyncio.sleep(0.02)
+
+
+async def test_republishing_the_same_weights_changes_no_token(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    client = RolloutClient(server.url)
+    ps = prompts(8)
+    ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(48)) for p in ps])
+    workers = [
+        start_worker(server.url, tiny_dense_dir, f"w{i}", tmp_path / f"w{i}.log") for i in (1, 2)
+    ]
+    rng = random.Random(7)
+    try:
+        await wait_tokens(client, ids[0], 1)
+        for version in range(1, 5):  # aborts land at random offsets
+            await asyncio.sleep(rng.uniform(0.2, 0.9))
+            await client.publish_weights(version, str(tiny_dense_dir))
+        results = await client.wait(ids, timeout=240)
+    finally:
+        stop(*workers)
+    reference = await direct_greedy(tiny_dense_dir, ps, greedy(48))
+    update_aborts = 0
+    for rid, r, (ref_ids, ref_lp) in zip(ids, results, reference, strict=True):
+        assert r.status is Status.DONE
+        np.testing.assert_array_equal(r.response_token_ids, ref_ids)
+        np.testing.assert_allclose(r.logprobs, ref_lp, atol=1e-5)
+        assert (np.diff(r.weight_versions) >= 0).all()
+        events = await client.store.events(rid)
+        update_aborts += sum(
+            isinstance(e, Aborted) and e.reason is AbortReason.WEIGHT_UPDATE for e in events
+        )
+    assert update_aborts >= 2, "the updates never interrupted a generation"
+
+
+async def test_a_real_update_mid_flight_switches_exactly(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    other = make_tiny_checkpoint(tmp_path / "v1", like=tiny_dense_dir, seed=1)
+    client = RolloutClient(server.url)
+    prompt, n = prompts(1, seed=3)[0], 64
+    [rid] = await client.submit([RolloutRequest(prompt_token_ids=prompt, sampling=greedy(n))])
+    worker = start_worker(
+        server.url,
+        tiny_dense_dir,
+        "w",
+        tmp_path / "w.log",
+        "--checkpoint-tokens",
+        "1",
+        concurrency=1,
+    )
+    try:
+        await wait_tokens(client, rid, 8)
+        await client.publish_weights(1, str(other))
+        [result] = await client.wait([rid], timeout=240)
+    finally:
+        stop(worker)
+    ids, versions = result.response_token_ids, result.weight_versions
+    k = int((versions == 0).sum())
+    assert 8 <= k < n and len(ids) == n
+    # Versions mark the switch exactly: one run of v0, then one run of v1.
+    assert result.version_segments == [(0, 0, k), (1, k, n)]
+    [(old, _)] = await direct_greedy(tiny_dense_dir, [prompt], greedy(n))
+    np.testing.assert_array_equal(ids[:k], old[:k])  # before: the old model's greedy output
+    [(new, _)] = await direct_greedy(other, [(*prompt, *ids[:k].tolist())], greedy(n - k))
+    np.testing.assert_array_equal(ids[k:], new)  # after: the new model's continuation
+    assert not np.array_equal(ids[k:], old[k:])  # and the new weights really are different
+    events = await client.store.events(rid)
+    aborted = [e for e in events if isinstance(e, Aborted)]
+    assert [e.reason for e in aborted] == [AbortReason.WEIGHT_UPDATE]
+    assert "mode=abort" in aborted[0].detail
+
+
+async def test_64_rollouts_through_5_updates_lose_and_duplicate_nothing(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    other = make_tiny_checkpoint(tmp_path / "b", like=tiny_dense_dir, seed=1)
+    client = RolloutClient(server.url)
+    n = 24
+    ids = await client.submit(
+        [RolloutRequest(prompt_token_ids=p, sampling=greedy(n)) for p in prompts(64, seed=5)]
+    )
+    workers = [
+        start_worker(server.url, tiny_dense_dir, f"u{i}", tmp_path / f"u{i}.log", concurrency=4)
+        for i in (1, 2)
+    ]
+    try:
+        await wait_tokens(client, ids[0], 1)
+        for version in range(1, 6):  # five updates in a row while generating
+            await client.publish_weights(version, str(other if version % 2 else tiny_dense_dir))
+            await asyncio.sleep(0.4)
+        results = await client.wait(ids, timeout=300)
+    finally:
+        stop(*workers)
+    assert all(r.status is Status.DONE and len(r.response_token_ids) == n for r in results)
+    for rid in ids:
+        loaded, replayed = await client.store.load(rid), await client.store.replay(rid)
+        assert loaded == replayed  # every history is valid against the transition table
+        offsets = [
+            e.offset for e in await client.store.events(rid) if isinstance(e, TokensAppended)
+        ]
+        sizes = [len(e) for e in await client.store.events(rid) if isinstance(e, TokensAppended)]
+        assert offsets == list(np.cumsum([0, *sizes])[:-1])  # each offset written exactly once
+    assert max(int(r.weight_versions.max()) for r in results) >= 3

@@ -1,0 +1,99 @@
+"""How a worker follows published weight versions.
+
+A task blocks on the weight log (``WeightRegistry.wait_newer``); when a newer version appears
+the worker applies it according to the deployment's mode:
+
+- ``abort`` (default): stop admitting, abort every in-flight generation at once, persist its
+  partial tokens, logprobs and routes with ``aborted(weight_update)``, requeue it at the front,
+  load the weights (the engine drops any KV/prefix cache computed with the old ones), admit
+  again. Resumed rollouts re-prefill ``prompt + partial`` on the new weights.
+- ``drain``: stop admitting, let in-flight rollouts finish on the old weights, then load.
+- ``keep``: load while generations stay in flight; the engine switches at a safe point between
+  steps and recomputes their KV on the new weights (vLLM: ``pause(mode="keep")``).
+
+Whatever the mode, every token records the version that sampled it, so the switch is exact
+in the log. A worker that starts, or falls behind, loads the newest version before admitting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from statemachine import AbortReason
+from store.weights import WeightRegistry, WeightVersion
+
+if TYPE_CHECKING:
+    from workers.worker import Worker
+
+log = logging.getLogger("rollouts.weights")
+
+
+class WeightMode(StrEnum):
+    ABORT = "abort"
+    DRAIN = "drain"
+    KEEP = "keep"
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateTiming:
+    version: int
+    published_at: float
+    stopped_s: float  # abort + persist (abort mode) or draining (drain mode)
+    load_s: float
+    done_at: float
+
+
+class WeightFollower:
+    def __init__(self, worker: Worker, registry: WeightRegistry, mode: WeightMode) -> None:
+        self.worker = worker
+        self.registry = registry
+        self.mode = mode
+        self.updates: list[UpdateTiming] = []
+
+    async def catch_up(self) -> None:
+        """Load the newest published version if the engine is behind (before admitting)."""
+        latest = await self.registry.latest()
+        if latest is not None and latest.version > self.worker.engine.weight_version:
+            await self.apply(latest)
+
+    async def follow(self) -> None:
+        while True:
+            newer = await self.registry.wait_newer(self.worker.engine.weight_version, 5.0)
+            if newer is not None:
+                await self.apply(newer)
+
+    async def apply(self, wv: WeightVersion) -> None:
+        worker = self.worker
+        t0 = time.monotonic()
+        log.info(
+            "weights v%d -> v%d (%s mode)", worker.engine.weight_version, wv.version, self.mode
+        )
+        if self.mode is WeightMode.KEEP:
+            stopped = t0
+        else:
+            worker.admitting.clear()
+            if self.mode is WeightMode.ABORT:
+                detail = f"mode=abort, v{worker.engine.weight_version} -> v{wv.version}"
+                for rid in list(worker.runner.active):
+                    await worker.runner.stop(rid, AbortReason.WEIGHT_UPDATE, detail)
+            # Jobs dequeued meanwhile wait at the admission gate, outside the runner.
+            await worker.runner.wait_idle()
+            stopped = time.monotonic()
+        try:
+            await worker.engine.load_weights(wv.path, wv.version)
+        finally:
+            worker.admitting.set()
+        done = time.monotonic()
+        self.updates.append(
+            UpdateTiming(
+                version=wv.version,
+                published_at=wv.at,
+                stopped_s=stopped - t0,
+                load_s=done - stopped,
+                done_at=time.time(),
+            )
+        )
