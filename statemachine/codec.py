@@ -124,8 +124,11 @@ REGISTRY: dict[str, _Codec] = {
     "submitted": (
         Submitted,
         1,
-        lambda e: {"request": e.request.to_dict()},
-        lambda f: {"request": RolloutRequest.from_dict(f["request"])},
+        lambda e: {"request": e.request.to_dict(), "admitted_version": e.admitted_version},
+        lambda f: {
+            "request": RolloutRequest.from_dict(f["request"]),
+            "admitted_version": f["admitted_version"],
+        },
     ),
     "started": (Started, 1, _attempt_fields, dict),
     "resumed": (Resumed, 1, _attempt_fields, dict),
@@ -284,6 +287,7 @@ def decode_snapshot(
             status=Status(status),
             request=submitted.request,
             submitted_at=submitted.at,
+            admitted_version=submitted.admitted_version,
             attempt=attempt,
             worker_id=worker_id,
             weight_version=weight_version,

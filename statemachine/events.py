@@ -45,6 +45,7 @@ class Event:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Submitted(Event):
     request: RolloutRequest
+    admitted_version: int = 0  # newest published weight version when it was submitted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -82,6 +82,9 @@ class RolloutRequest:
     sampling: SamplingParams
     group_id: str | None = None
     metadata: dict[str, MetadataValue] = field(default_factory=dict)
+    # Do not start (or resume) this rollout once the weights are more than this many versions
+    # ahead of the version it was admitted under; None: no bound.
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         ids = tuple(self.prompt_token_ids)
@@ -94,6 +97,8 @@ class RolloutRequest:
             raise InvalidRequest("sampling must be SamplingParams")
         if self.group_id is not None and not isinstance(self.group_id, str):
             raise InvalidRequest("group_id must be a string")
+        if self.max_staleness is not None:
+            _check_int("max_staleness", self.max_staleness, minimum=0)
         if not isinstance(self.metadata, dict):
             raise InvalidRequest("metadata must be a dict")
         for k, v in self.metadata.items():
@@ -110,11 +115,18 @@ class RolloutRequest:
             "sampling": self.sampling.to_dict(),
             "group_id": self.group_id,
             "metadata": dict(self.metadata),
+            "max_staleness": self.max_staleness,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutRequest:
-        unknown = set(data) - {"prompt_token_ids", "sampling", "group_id", "metadata"}
+        unknown = set(data) - {
+            "prompt_token_ids",
+            "sampling",
+            "group_id",
+            "metadata",
+            "max_staleness",
+        }
         if unknown:
             raise InvalidRequest(f"unknown request field(s): {sorted(unknown)}")
         try:
@@ -124,6 +136,7 @@ class RolloutRequest:
                 sampling=sampling,
                 group_id=data.get("group_id"),
                 metadata=dict(data.get("metadata") or {}),
+                max_staleness=data.get("max_staleness"),
             )
         except KeyError as exc:
             raise InvalidRequest(f"request is missing {exc.args[0]!r}") from None

@@ -21,6 +21,7 @@ class RolloutState:
     status: Status
     request: RolloutRequest
     submitted_at: float = 0.0
+    admitted_version: int = 0  # newest published weights when it was submitted
     attempt: int = 0  # number of the latest attempt; 0 until the first start
     worker_id: str | None = None  # worker of the latest attempt
     weight_version: int | None = None  # weights the latest attempt started on
@@ -83,6 +84,11 @@ class RolloutState:
     def nonfinite_logprobs(self) -> int:
         """How many logprobs were NaN/inf from the engine and stored as the floor."""
         return sum(c.nonfinite_logprobs for c in self.chunks)
+
+    def too_stale(self, weight_version: int) -> bool:
+        """Whether weights ``weight_version`` are beyond the request's ``max_staleness``."""
+        bound = self.request.max_staleness
+        return bound is not None and weight_version - self.admitted_version > bound
 
     # -- what a resume needs ------------------------------------------------------------------
     @property

@@ -100,6 +100,7 @@ def _submitted(_: RolloutState | None, e: Event, after: Status) -> RolloutState:
         status=after,
         request=e.request,
         submitted_at=e.at,
+        admitted_version=e.admitted_version,
     )
 
 

@@ -62,8 +62,13 @@ class RolloutClient:
         for rid in ids:
             check_rollout_id(rid)
         now = time.time()
+        latest = await self.weights.latest()
+        admitted = latest.version if latest is not None else 0
         chains = [
-            (None, [Submitted(rollout_id=rid, seq=1, request=req, at=now)])
+            (
+                None,
+                [Submitted(rollout_id=rid, seq=1, request=req, at=now, admitted_version=admitted)],
+            )
             for rid, req in zip(ids, requests, strict=True)
         ]
         for result in await self.store.append_many(chains):

@@ -42,6 +42,17 @@ class RolloutResult:
     nonfinite_logprobs: int
     group_id: str | None
     metadata: dict[str, Any]
+    admitted_version: int = 0
+    max_staleness: int | None = None
+
+    @property
+    def stale(self) -> bool:
+        """Policy "keep and flag": True when some token was sampled by weights more than
+        ``max_staleness`` versions ahead of the admitted version (e.g. a ``keep``-mode update
+        landed mid-generation). The tokens are kept; the trainer decides."""
+        if self.max_staleness is None or len(self.weight_versions) == 0:
+            return False
+        return int(self.weight_versions.max()) - self.admitted_version > self.max_staleness
 
     @property
     def version_segments(self) -> list[tuple[int, int, int]]:
@@ -72,4 +83,6 @@ class RolloutResult:
             nonfinite_logprobs=state.nonfinite_logprobs,
             group_id=state.request.group_id,
             metadata=dict(state.request.metadata),
+            admitted_version=state.admitted_version,
+            max_staleness=state.request.max_staleness,
         )

@@ -20,6 +20,7 @@ from statemachine import (
     LIVE,
     Aborted,
     AbortReason,
+    Cancelled,
     Event,
     Finished,
     FinishReason,
@@ -115,6 +116,8 @@ class RolloutRunner:
         state = await self.store.load(rollout_id)
         if state.terminal:
             return RunResult(Outcome.FINISHED, state)  # a duplicate or late job: nothing to do
+        if state.too_stale(self.engine.weight_version):
+            return await self._cancel_stale(state)
         try:
             state = await self._begin(state)
             if state.remaining_tokens == 0:
@@ -128,6 +131,23 @@ class RolloutRunner:
         finally:
             self._stop_reasons.pop(rollout_id, None)
             self._request_ids.pop(rollout_id, None)
+
+    async def _cancel_stale(self, state: RolloutState) -> RunResult:
+        # Policy: a rollout is never (re)started on weights beyond its staleness bound; it ends
+        # as cancelled with the reason. Tokens it already has stay in the log.
+        reason = (
+            f"stale: weights v{self.engine.weight_version} are more than "
+            f"{state.request.max_staleness} versions ahead of v{state.admitted_version}"
+        )
+        # Cancelled is legal from any non-terminal state and ends a live attempt's fence too.
+        events: list[Event] = [
+            Cancelled(rollout_id=state.rollout_id, seq=state.seq + 1, reason=reason)
+        ]
+        try:
+            return RunResult(Outcome.FINISHED, await self.checkpointer.append(state, events))
+        except AppendRefused:
+            # Someone else moved it on meanwhile; nothing of ours to record.
+            return RunResult(Outcome.LOST, await self.store.load(state.rollout_id))
 
     async def _begin(self, state: RolloutState) -> RolloutState:
         events: list[Event] = []

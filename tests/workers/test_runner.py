@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -111,3 +112,50 @@ async def test_a_live_attempt_is_taken_over_and_fenced_out(real_redis: aredis.Re
     # The old attempt's late write is refused.
     with pytest.raises(StaleAttempt):
         await store.append(s, f.tokens(s, n=1))
+
+
+async def test_staleness_bound_cancels_instead_of_starting(real_redis: aredis.Redis) -> None:
+    from store.client import RolloutClient
+    from store.weights import WeightRegistry
+
+    pool = real_redis.connection_pool.connection_kwargs
+    url = f"redis://{pool['host']}:{pool['port']}/0"
+    client = RolloutClient(url)
+    await WeightRegistry(real_redis).publish(3, "/ckpt/3")
+    tight, loose = await client.submit(
+        [
+            dataclasses.replace(f.request(max_tokens=8), max_staleness=1),
+            dataclasses.replace(f.request(max_tokens=8), max_staleness=2),
+        ]
+    )
+    store = client.store
+    engine = SyntheticEngine(weight_version=5)  # two versions ahead of the admitted v3
+    runner = RolloutRunner(store, Checkpointer(store), engine, "w")
+    stale = await runner.run(tight)
+    assert stale.state.status is Status.CANCELLED and stale.state.num_tokens == 0
+    assert "stale: weights v5 are more than 1 versions ahead of v3" in (stale.state.error or "")
+    ok = await runner.run(loose)
+    assert ok.state.status is Status.DONE and (ok.state.weight_versions == 5).all()
+    result = await client.result(loose)
+    assert result.admitted_version == 3 and not result.stale
+    await client.aclose()
+
+
+async def test_abort_with_no_new_tokens_and_budget_used_up(real_redis: aredis.Redis) -> None:
+    store = EventStore(real_redis)
+    # An attempt aborted before producing anything leaves no trace but the two events.
+    s = await store.append(None, f.submitted("z", max_tokens=6, min_tokens=4))
+    s = await store.append(s, f.started(s))
+    s = await store.append(s, f.aborted(s, AbortReason.WEIGHT_UPDATE))
+    assert s.num_tokens == 0 and s.resume_sampling().max_tokens == 6
+    # Its budget is then used up by an attempt that was aborted right at the end ...
+    s = await store.append(s, f.resumed(s))
+    s = await store.append(s, f.tokens(s, n=6))
+    s = await store.append(s, f.aborted(s, AbortReason.WEIGHT_UPDATE))
+    assert s.remaining_tokens == 0
+    # ... so the next run finishes it with "length" without asking the engine for anything.
+    runner = RolloutRunner(store, Checkpointer(store), SyntheticEngine(poison_token=1), "w")
+    result = await runner.run("z")
+    assert result.outcome is Outcome.FINISHED and result.state.status is Status.DONE
+    assert result.state.finish_reason == "length" and result.state.num_tokens == 6
+    assert result.state == await store.replay("z")
