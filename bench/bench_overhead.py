@@ -36,8 +36,10 @@ from workers.worker import Worker, WorkerConfig
 def requests(n: int, max_tokens: int) -> list[RolloutRequest]:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [
-        RolloutRequest(prompt_token_ids=tuple(int(t) for t in (np.arange(6) * 7 + 13 * i) % 2000),
-                       sampling=sampling)
+        RolloutRequest(
+            prompt_token_ids=tuple(int(t) for t in (np.arange(6) * 7 + 13 * i) % 2000),
+            sampling=sampling,
+        )
         for i in range(n)
     ]
 
@@ -47,9 +49,16 @@ async def direct(engine: Engine, reqs: list[RolloutRequest], concurrency: int) -
 
     async def one(i: int, req: RolloutRequest) -> np.ndarray:
         async with slots:
-            ids = [c.token_ids async for c in engine.generate(EngineRequest(
-                request_id=f"direct-{time.monotonic_ns()}-{i}",
-                prompt_token_ids=req.prompt_token_ids, sampling=req.sampling))]
+            ids = [
+                c.token_ids
+                async for c in engine.generate(
+                    EngineRequest(
+                        request_id=f"direct-{time.monotonic_ns()}-{i}",
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=req.sampling,
+                    )
+                )
+            ]
             return np.concatenate(ids)
 
     t0 = time.perf_counter()
@@ -57,12 +66,15 @@ async def direct(engine: Engine, reqs: list[RolloutRequest], concurrency: int) -
     return time.perf_counter() - t0, out
 
 
-async def durable(engine: Engine, url: str, reqs: list[RolloutRequest], concurrency: int,
-                  queue: str) -> tuple:
+async def durable(
+    engine: Engine, url: str, reqs: list[RolloutRequest], concurrency: int, queue: str
+) -> tuple:
     client = RolloutClient(url, queue_name=queue)
     ids = await client.submit(reqs)
-    worker = Worker(WorkerConfig(redis_url=url, queues=(queue,), max_concurrency=concurrency,
-                                 burst=True), engine)
+    worker = Worker(
+        WorkerConfig(redis_url=url, queues=(queue,), max_concurrency=concurrency, burst=True),
+        engine,
+    )
     t0 = time.time()
     await worker.run()
     # The end is when the last rollout's Finished was recorded, not when burst mode noticed
