@@ -90,7 +90,12 @@ def unpack_array(packed: Any) -> npt.NDArray[Any]:
 
 
 def _attempt_fields(e: Started | Resumed) -> Fields:
-    return {"attempt": e.attempt, "worker_id": e.worker_id, "weight_version": e.weight_version}
+    return {
+        "attempt": e.attempt,
+        "worker_id": e.worker_id,
+        "weight_version": e.weight_version,
+        "weight_mode": e.weight_mode,
+    }
 
 
 def _tokens_fields(e: TokensAppended) -> Fields:

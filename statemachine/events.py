@@ -50,20 +50,25 @@ class Submitted(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Started(Event):
-    """The first attempt began on a worker, on weights ``weight_version``."""
+    """The first attempt began on a worker, on weights ``weight_version``.
+
+    ``weight_mode`` is how that worker's deployment handles weight updates during the attempt
+    (abort, drain or keep), so the log says why versions do or do not change mid-attempt."""
 
     attempt: int
     worker_id: str
     weight_version: int
+    weight_mode: str = "abort"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Resumed(Event):
-    """A later attempt began, continuing from the saved prefix."""
+    """A later attempt began, continuing from the saved prefix (fields as in ``Started``)."""
 
     attempt: int
     worker_id: str
     weight_version: int
+    weight_mode: str = "abort"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

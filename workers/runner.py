@@ -77,6 +77,7 @@ class RolloutRunner:
         *,
         cadence: Cadence | None = None,
         stats: Stats | None = None,
+        weight_mode: str = "abort",
     ) -> None:
         self.store = store
         self.checkpointer = checkpointer
@@ -84,6 +85,7 @@ class RolloutRunner:
         self.worker_id = worker_id
         self.cadence = cadence or Cadence()
         self.stats = stats or Stats()
+        self.weight_mode = weight_mode
         self._stop_reasons: dict[str, tuple[AbortReason, str]] = {}
         self._request_ids: dict[str, str] = {}
         self.active: set[str] = set()  # rollouts inside run()
@@ -171,6 +173,7 @@ class RolloutRunner:
             attempt=state.attempt + 1,
             worker_id=self.worker_id,
             weight_version=self.engine.weight_version,
+            weight_mode=self.weight_mode,
         )
         return await self.checkpointer.append(state, [*events, begin])
 

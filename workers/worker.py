@@ -71,7 +71,8 @@ class Worker:
         store = EventStore(client)
         checkpointer = Checkpointer(store)
         self.runner = RolloutRunner(
-            store, checkpointer, self.engine, cfg.name, cadence=cfg.cadence, stats=self.stats
+            store, checkpointer, self.engine, cfg.name, cadence=cfg.cadence, stats=self.stats,
+            weight_mode=cfg.weight_mode.value,
         )
         self.store = store
         rq = self._rq = RqBridge(cfg.redis_url, list(cfg.queues), cfg.name)

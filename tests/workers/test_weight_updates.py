@@ -158,3 +158,50 @@ async def test_64_rollouts_through_5_updates_lose_and_duplicate_nothing(
         sizes = [len(e) for e in await client.store.events(rid) if isinstance(e, TokensAppended)]
         assert offsets == list(np.cumsum([0, *sizes])[:-1])  # each offset written exactly once
     assert max(int(r.weight_versions.max()) for r in results) >= 3
+
+
+@pytest.mark.parametrize("mode", ["drain", "keep"])
+async def test_drain_and_keep_modes(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    other = make_tiny_checkpoint(tmp_path / "v1", like=tiny_dense_dir, seed=1)
+    client = RolloutClient(server.url)
+    prompt, n = prompts(1, seed=9)[0], 64
+    [rid] = await client.submit([RolloutRequest(prompt_token_ids=prompt, sampling=greedy(n))])
+    worker = start_worker(
+        server.url,
+        tiny_dense_dir,
+        f"m-{mode}",
+        tmp_path / "m.log",
+        "--checkpoint-tokens",
+        "1",
+        "--weight-mode",
+        mode,
+        concurrency=1,
+    )
+    try:
+        await wait_tokens(client, rid, 8)
+        await client.publish_weights(1, str(other))
+        [result] = await client.wait([rid], timeout=240)
+        # A rollout submitted after the update runs on the new weights in both modes.
+        [late] = await client.submit([RolloutRequest(prompt_token_ids=prompt, sampling=greedy(8))])
+        [late_result] = await client.wait([late], timeout=120)
+    finally:
+        stop(worker)
+    events = await client.store.events(rid)
+    assert not any(isinstance(e, Aborted) for e in events)  # neither mode aborts
+    assert events[1].weight_mode == mode  # the deployment's mode is in the log
+    ids, versions = result.response_token_ids, result.weight_versions
+    [(old, _)] = await direct_greedy(tiny_dense_dir, [prompt], greedy(n))
+    if mode == "drain":
+        # In-flight work finished on the old weights; the switch waited for it.
+        assert result.version_segments == [(0, 0, n)]
+        np.testing.assert_array_equal(ids, old)
+    else:
+        # Kept in flight: the engine switched between two steps and recomputed the KV.
+        k = int((versions == 0).sum())
+        assert 8 <= k < n and result.version_segments == [(0, 0, k), (1, k, n)]
+        np.testing.assert_array_equal(ids[:k], old[:k])
+        [(new, _)] = await direct_greedy(other, [(*prompt, *ids[:k].tolist())], greedy(n - k))
+        np.testing.assert_array_equal(ids[k:], new)
+    assert (late_result.weight_versions == 1).all()
