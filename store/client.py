@@ -13,11 +13,9 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-import redis
-import redis.asyncio as aredis
-
 from statemachine import RolloutRequest, RolloutState, Submitted, codec
 from store import defaults
+from store.connection import connect, connect_sync
 from store.errors import RolloutNotFound, StoreError
 from store.event_store import EventStore
 from store.keys import Keys, check_rollout_id
@@ -41,11 +39,11 @@ class RolloutClient:
         keys: Keys | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> None:
-        self.redis = aredis.Redis.from_url(url)
+        self.redis = connect(url)
         self.store = EventStore(self.redis, keys)
         self.weights = WeightRegistry(self.redis, keys)
         # rq is synchronous: it gets its own (sync) connection, used from a thread.
-        self._queue = rollout_queue(redis.Redis.from_url(url), queue_name)
+        self._queue = rollout_queue(connect_sync(url), queue_name)
         self.tokenizer = tokenizer
 
     async def submit(

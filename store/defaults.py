@@ -16,6 +16,15 @@ CHECKPOINT_INTERVAL_S = 0.25
 # not the rollout's fault.
 MAX_ENGINE_ATTEMPTS = 3
 
+# -- leases -------------------------------------------------------------------------------------
+# A generating rollout is leased to its worker for LEASE_TTL_S; the worker renews all its leases
+# every HEARTBEAT_S in one command. A worker that dies is noticed within about LEASE_TTL_S +
+# REAP_INTERVAL_S, and its rollouts resume elsewhere from their last checkpoint. The TTL spans
+# several heartbeats so that one slow round trip or GC pause does not cost a lease.
+LEASE_TTL_S = 5.0
+HEARTBEAT_S = 1.0
+REAP_INTERVAL_S = 1.0
+
 # -- queue --------------------------------------------------------------------------------------
 QUEUE_NAME = "rollouts"
 # rq's job timeout: generations can legitimately run for many minutes; our own leases (not

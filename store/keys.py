@@ -42,6 +42,10 @@ class Keys:
         """The weight-version log: one per deployment, so no rollout hash tag."""
         return f"{self.namespace}:weights"
 
+    def leases(self) -> str:
+        """The lease index of every generating rollout (one per deployment)."""
+        return f"{self.namespace}:leases"
+
     def rollout(self, rollout_id: str) -> tuple[str, str]:
         """``(log, snapshot)``: what the append script gets as KEYS, checked once."""
         base = f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}"

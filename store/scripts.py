@@ -71,3 +71,4 @@ class Script:
 
 APPEND = Script("append")
 PUBLISH_WEIGHTS = Script("publish_weights")
+RELEASE_LEASE = Script("release_lease")

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from redis import Redis
 from rq import Queue
 from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
@@ -26,6 +25,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
+from store.connection import connect_sync
 from store.queue import rollout_queue
 
 T = TypeVar("T")
@@ -59,7 +59,7 @@ class Running:
 
 class RqBridge:
     def __init__(self, url: str, queue_names: list[str], name: str) -> None:
-        self.connection = Redis.from_url(url)
+        self.connection = connect_sync(url)
         self.queues = [rollout_queue(self.connection, n) for n in queue_names]
         self.worker = InProcessWorker(
             self.queues,

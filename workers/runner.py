@@ -32,6 +32,7 @@ from statemachine import (
 )
 from statemachine.arrays import clamp_logprobs
 from store import AppendRefused, EventStore, defaults
+from store.leases import Leases, now_ms
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Chunk, Engine, EngineRequest
 from workers.errors import EngineError, RequestAborted
@@ -42,6 +43,7 @@ class Outcome(StrEnum):
     ENGINE_ERROR = "engine_error"  # progress kept, attempt aborted; the worker retries or fails it
     ABORTED = "aborted"  # stopped on request (shutdown, weight update); progress kept
     LOST = "lost"  # another writer took the rollout over (fenced out); nothing more to do
+    DUPLICATE = "duplicate"  # a live worker holds the rollout's lease: this job is a duplicate
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,8 @@ class RolloutRunner:
         cadence: Cadence | None = None,
         stats: Stats | None = None,
         weight_mode: str = "abort",
+        leases: Leases | None = None,
+        lease_ttl_s: float = defaults.LEASE_TTL_S,
     ) -> None:
         self.store = store
         self.checkpointer = checkpointer
@@ -86,6 +90,8 @@ class RolloutRunner:
         self.cadence = cadence or Cadence()
         self.stats = stats or Stats()
         self.weight_mode = weight_mode
+        self.leases = leases
+        self.lease_ttl_s = lease_ttl_s
         self._stop_reasons: dict[str, tuple[AbortReason, str]] = {}
         self._request_ids: dict[str, str] = {}
         self.active: set[str] = set()  # rollouts inside run()
@@ -108,7 +114,12 @@ class RolloutRunner:
         self.active.add(rollout_id)
         self._idle.clear()
         try:
-            return await self._run(rollout_id)
+            result = await self._run(rollout_id)
+            if self.leases is not None and result.outcome not in (Outcome.LOST, Outcome.DUPLICATE):
+                # Our attempt is over: the lease goes before the job is handed back, so that the
+                # next worker's lease is never the one we drop.
+                await self.leases.drop(rollout_id)
+            return result
         finally:
             self.active.discard(rollout_id)
             if not self.active:
@@ -120,6 +131,15 @@ class RolloutRunner:
             return RunResult(Outcome.FINISHED, state)  # a duplicate or late job: nothing to do
         if state.too_stale(self.engine.weight_version):
             return await self._cancel_stale(state)
+        if self.leases is not None:
+            if state.status in LIVE:
+                expiry = await self.leases.expiry(rollout_id)
+                if expiry is not None and expiry > now_ms():
+                    # A live worker is generating it (rq delivered the job twice): leave it be.
+                    return RunResult(Outcome.DUPLICATE, state)
+            # Lease first, attempt second: a crash in between leaves a lease the reaper turns
+            # into a re-enqueue, never a live attempt nobody watches.
+            await self.leases.take(rollout_id, self.lease_ttl_s)
         try:
             state = await self._begin(state)
             if state.remaining_tokens == 0:

@@ -16,13 +16,14 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-import redis.asyncio as aredis
-
 from statemachine import AbortReason, Failed, RolloutState
 from store import EventStore, defaults
+from store.connection import connect
+from store.leases import Leases
 from store.weights import WeightRegistry
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Engine
+from workers.reaper import Reaper
 from workers.rq_bridge import RqBridge, Running
 from workers.runner import Cadence, Outcome, RolloutRunner, Stats
 from workers.weight_updates import WeightFollower, WeightMode
@@ -41,7 +42,9 @@ class WorkerConfig:
     cadence: Cadence = field(default_factory=Cadence)
     max_engine_attempts: int = defaults.MAX_ENGINE_ATTEMPTS
     dequeue_timeout_s: int = defaults.DEQUEUE_TIMEOUT_S
-    heartbeat_s: float = 5.0
+    lease_ttl_s: float = defaults.LEASE_TTL_S
+    heartbeat_s: float = defaults.HEARTBEAT_S  # lease renewal; rq's own heartbeat every 5th
+    reap_interval_s: float = defaults.REAP_INTERVAL_S
     burst: bool = False  # exit once the queues are empty and nothing is running
     shutdown_grace_s: float = 30.0
     weight_mode: WeightMode = WeightMode.ABORT
@@ -67,20 +70,30 @@ class Worker:
 
     async def run(self) -> Stats:
         cfg = self.config
-        client = aredis.Redis.from_url(cfg.redis_url)
+        client = connect(cfg.redis_url)
         store = EventStore(client)
         checkpointer = Checkpointer(store)
+        leases = Leases(client)
         self.runner = RolloutRunner(
-            store, checkpointer, self.engine, cfg.name, cadence=cfg.cadence, stats=self.stats,
+            store,
+            checkpointer,
+            self.engine,
+            cfg.name,
+            cadence=cfg.cadence,
+            stats=self.stats,
             weight_mode=cfg.weight_mode.value,
+            leases=leases,
+            lease_ttl_s=cfg.lease_ttl_s,
         )
         self.store = store
         rq = self._rq = RqBridge(cfg.redis_url, list(cfg.queues), cfg.name)
         self.weights = WeightFollower(self, WeightRegistry(client), cfg.weight_mode)
         await self.weights.catch_up()
         await rq.register()
-        beat = asyncio.create_task(self._heartbeat(rq))
+        beat = asyncio.create_task(self._heartbeat(rq, leases))
         follow = asyncio.create_task(self.weights.follow())
+        reaper = Reaper(store, leases, rq.queues[0])
+        reap = asyncio.create_task(reaper.run(cfg.reap_interval_s))
         log.info(
             "worker %s on %s, up to %d rollouts at once", cfg.name, cfg.queues, cfg.max_concurrency
         )
@@ -88,9 +101,10 @@ class Worker:
             await self._take_jobs(rq)
         finally:
             follow.cancel()
+            reap.cancel()
             await self._shut_down(rq)
             beat.cancel()
-            for task in (beat, follow):
+            for task in (beat, follow, reap):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await checkpointer.close()
@@ -154,13 +168,18 @@ class Worker:
         )
         return await self.store.append(state, event)
 
-    async def _heartbeat(self, rq: RqBridge) -> None:
+    async def _heartbeat(self, rq: RqBridge, leases: Leases) -> None:
+        beats = 0
         while True:
             try:
-                await rq.heartbeat()
+                # Every lease this worker holds, renewed in one command.
+                await leases.renew(self.runner.active, self.config.lease_ttl_s)
+                if beats % 5 == 0:
+                    await rq.heartbeat()
             except Exception:
-                # A missed beat is survivable (the TTL spans several); keep beating.
-                log.warning("rq heartbeat failed", exc_info=True)
+                # A missed beat is survivable (the TTLs span several); keep beating.
+                log.warning("heartbeat failed", exc_info=True)
+            beats += 1
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def _shut_down(self, rq: RqBridge) -> None:

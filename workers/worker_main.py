@@ -38,6 +38,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-interval", type=float, default=defaults.CHECKPOINT_INTERVAL_S, help="seconds"
     )
     parser.add_argument("--max-engine-attempts", type=int, default=defaults.MAX_ENGINE_ATTEMPTS)
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=defaults.LEASE_TTL_S,
+        help="seconds a rollout stays leased without a heartbeat before another worker takes it",
+    )
+    parser.add_argument(
+        "--heartbeat", type=float, default=defaults.HEARTBEAT_S, help="lease renewal period (s)"
+    )
     parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     parser.add_argument(
         "--weight-mode",
@@ -66,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         max_engine_attempts=args.max_engine_attempts,
         burst=args.burst,
         weight_mode=WeightMode(args.weight_mode),
+        lease_ttl_s=args.lease_ttl,
+        heartbeat_s=args.heartbeat,
         **extra,
     )
     worker = Worker(config, engine)

@@ -1,0 +1,55 @@
+"""Leases: which rollouts a live worker is generating, and until when.
+
+One sorted set per deployment (member: rollout id, score: expiry in unix ms). A worker takes
+a lease before it opens an attempt, renews all of its leases in one command (``ZADD XX GT``:
+never resurrects a lease a reaper removed, never moves one backwards) and drops a lease when
+the attempt ends. Anything left with an expiry in the past belongs to a worker that died,
+stalled or lost its connection: the reaper (``workers.reaper``) deals with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from redis.asyncio import Redis
+
+from store import scripts
+from store.keys import Keys
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Leases:
+    def __init__(self, client: Redis, keys: Keys | None = None) -> None:
+        self.redis = client
+        self.key = (keys or Keys()).leases()
+
+    async def take(self, rollout_id: str, ttl_s: float) -> None:
+        await self.redis.zadd(self.key, {rollout_id: now_ms() + int(ttl_s * 1000)})
+
+    async def renew(self, rollout_ids: Iterable[str], ttl_s: float) -> None:
+        """Extend every lease still held, in one round trip."""
+        ids = list(rollout_ids)
+        if ids:
+            until = now_ms() + int(ttl_s * 1000)
+            await self.redis.zadd(self.key, dict.fromkeys(ids, until), xx=True, gt=True)
+
+    async def drop(self, rollout_id: str) -> None:
+        await self.redis.zrem(self.key, rollout_id)
+
+    async def expired(self, limit: int = 100) -> list[tuple[str, int]]:
+        """Leases whose expiry has passed, oldest first: ``(rollout id, expiry ms)``."""
+        rows = await self.redis.zrangebyscore(
+            self.key, "-inf", now_ms(), start=0, num=limit, withscores=True
+        )
+        return [(member.decode(), int(score)) for member, score in rows]
+
+    async def expiry(self, rollout_id: str) -> int | None:
+        score = await self.redis.zscore(self.key, rollout_id)
+        return None if score is None else int(score)
+
+    async def release_if_unchanged(self, rollout_id: str, seen_expiry: int) -> bool:
+        return bool(await scripts.RELEASE_LEASE(self.redis, [self.key], [rollout_id, seen_expiry]))
