@@ -1,0 +1,271 @@
+"""kill -9 a worker, stall one, deliver a job twice, restart Redis: nothing is lost or doubled."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from redis import Redis
+
+from statemachine import (
+    Aborted,
+    AbortReason,
+    RolloutRequest,
+    SamplingParams,
+    Status,
+    TokensAppended,
+)
+from store.client import RolloutClient
+from store.queue import enqueue_rollouts, rollout_queue
+from store.server import RedisServer
+from tests.workers.helpers import direct_greedy, start_worker
+
+pytestmark = pytest.mark.redis_server
+
+FAST = ("--lease-ttl", "2", "--heartbeat", "0.25")  # recovery in seconds, for the tests
+K = 8  # checkpoint every 8 tokens (start_worker's default)
+
+
+@pytest.fixture
+def server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    with RedisServer(tmp_path / "redis") as s:
+        yield s
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
+    rng = np.random.default_rng(seed)
+    return [tuple(int(t) for t in rng.integers(10, 2000, 5)) for _ in range(n)]
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+async def tokens_of(client: RolloutClient, rid: str) -> int:
+    return (await client.store.load(rid)).num_tokens
+
+
+async def until(cond, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_kill_9_mid_generation_resumes_elsewhere(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    client = RolloutClient(server.url)
+    prompt, n = prompts(1)[0], 96
+    [rid] = await client.submit([RolloutRequest(prompt_token_ids=prompt, sampling=greedy(n))])
+    a = start_worker(server.url, tiny_dense_dir, "a", tmp_path / "a.log", *FAST, concurrency=1)
+    b = None
+    try:
+        await until(lambda: _at_least(client, rid, 2 * K))
+        a.kill()  # SIGKILL: no chance to save anything
+        a.wait(10)
+        saved = await tokens_of(client, rid)
+        b = start_worker(server.url, tiny_dense_dir, "b", tmp_path / "b.log", *FAST, concurrency=1)
+        [result] = await client.wait([rid], timeout=180)
+    finally:
+        stop(a, *(p for p in [b] if p))
+    [(ref, _)] = await direct_greedy(tiny_dense_dir, [prompt], greedy(n))
+    np.testing.assert_array_equal(result.response_token_ids, ref)
+    events = await client.store.events(rid)
+    lost = [e for e in events if isinstance(e, Aborted)]
+    assert [e.reason for e in lost] == [AbortReason.WORKER_LOST]
+    # Attempt 2 resumed exactly where the last checkpoint of attempt 1 ended ...
+    first_of_2 = next(e for e in events if isinstance(e, TokensAppended) and e.attempt == 2)
+    assert first_of_2.offset == saved >= 2 * K
+    # ... and attempt 1 never held more than one checkpoint interval unsaved: its chunks are
+    # at most K tokens (the CPU engine yields one token per step), so at most K were redone.
+    sizes = [len(e) for e in events if isinstance(e, TokensAppended) and e.attempt == 1]
+    assert sizes and max(sizes) <= K
+
+
+async def _at_least(client: RolloutClient, rid: str, n: int) -> bool:
+    return await tokens_of(client, rid) >= n
+
+
+async def test_stalled_worker_is_fenced_out_and_carries_on(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    client = RolloutClient(server.url)
+    ps = prompts(2, seed=1)
+    [rid] = await client.submit([RolloutRequest(prompt_token_ids=ps[0], sampling=greedy(96))])
+    a = start_worker(
+        server.url,
+        tiny_dense_dir,
+        "stalled",
+        tmp_path / "a.log",
+        *FAST,
+        "--checkpoint-tokens",
+        "2",
+        concurrency=1,
+    )
+    b = None
+    try:
+        await until(lambda: _at_least(client, rid, 8))
+        os.kill(a.pid, signal.SIGSTOP)  # stalled past its lease: alive, but silent
+        b = start_worker(
+            server.url, tiny_dense_dir, "rescuer", tmp_path / "b.log", *FAST, concurrency=1
+        )
+        await until(lambda: _attempt_at_least(client, rid, 2))
+        await until(lambda: _at_least(client, rid, 40))
+        os.kill(a.pid, signal.SIGCONT)  # it wakes up and tries to append its buffered tokens
+        [result] = await client.wait([rid], timeout=180)
+        # The stalled worker survived being fenced out and takes new work.
+        [other] = await client.submit([RolloutRequest(prompt_token_ids=ps[1], sampling=greedy(16))])
+        stop(b)
+        [other_result] = await client.wait([other], timeout=120)
+        assert a.poll() is None
+    finally:
+        stop(a, *(p for p in [b] if p))
+    [(ref, _)] = await direct_greedy(tiny_dense_dir, [ps[0]], greedy(96))
+    np.testing.assert_array_equal(result.response_token_ids, ref)
+    state = await client.store.load(rid)
+    assert state == await client.store.replay(rid)
+    events = await client.store.events(rid)
+    # Nothing from attempt 1 after the takeover: every attempt-1 event precedes the abort.
+    abort_seq = next(e.seq for e in events if isinstance(e, Aborted))
+    assert all(getattr(e, "attempt", 1) != 1 or e.seq <= abort_seq for e in events)
+    assert other_result.status is Status.DONE
+    assert (await client.store.events(other))[1].worker_id == "stalled"
+
+
+async def _attempt_at_least(client: RolloutClient, rid: str, n: int) -> bool:
+    return (await client.store.load(rid)).attempt >= n
+
+
+async def test_duplicate_job_runs_are_exactly_once(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    client = RolloutClient(server.url)
+    ps = prompts(3, seed=2)
+    ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(48)) for p in ps])
+    # rq is at-least-once: deliver every job twice more, to several workers at once.
+    queue = rollout_queue(Redis.from_url(server.url))
+    enqueue_rollouts(queue, ids)
+    enqueue_rollouts(queue, ids)
+    workers = [
+        start_worker(
+            server.url, tiny_dense_dir, f"d{i}", tmp_path / f"d{i}.log", *FAST, concurrency=2
+        )
+        for i in range(3)
+    ]
+    try:
+        results = await client.wait(ids, timeout=180)
+        await until(lambda: _queue_empty(queue), timeout=60)
+    finally:
+        stop(*workers)
+    reference = await direct_greedy(tiny_dense_dir, ps, greedy(48))
+    for rid, r, (ref, _) in zip(ids, results, reference, strict=True):
+        np.testing.assert_array_equal(r.response_token_ids, ref)
+        events = await client.store.events(rid)
+        offsets = [e.offset for e in events if isinstance(e, TokensAppended)]
+        sizes = [len(e) for e in events if isinstance(e, TokensAppended)]
+        assert offsets == list(np.cumsum([0, *sizes])[:-1]) and sum(sizes) == 48
+
+
+async def _queue_empty(queue) -> bool:  # type: ignore[no-untyped-def]
+    return queue.count == 0
+
+
+async def test_redis_restart_while_generating(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    client = RolloutClient(server.url)
+    ps = prompts(6, seed=3)
+    ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(64)) for p in ps])
+    workers = [
+        start_worker(
+            server.url, tiny_dense_dir, f"r{i}", tmp_path / f"r{i}.log", *FAST, concurrency=3
+        )
+        for i in range(2)
+    ]
+    try:
+        await until(lambda: _at_least(client, ids[0], 8))
+        await asyncio.to_thread(server.restart, kill=True)  # SIGKILL; AOF fsync always
+        results = await client.wait(ids, timeout=240)
+    finally:
+        stop(*workers)
+    reference = await direct_greedy(tiny_dense_dir, ps, greedy(64))
+    for rid, r, (ref, _) in zip(ids, results, reference, strict=True):
+        assert r.status is Status.DONE
+        np.testing.assert_array_equal(r.response_token_ids, ref)
+        assert await client.store.load(rid) == await client.store.replay(rid)
+
+
+async def test_bounded_chaos(server: RedisServer, tiny_dense_dir: Path, tmp_path: Path) -> None:
+    """Workers killed at random, Redis restarted, one weight update; about a minute."""
+    rng = random.Random(11)
+    client = RolloutClient(server.url)
+    ps = prompts(16, seed=4)
+    ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(48)) for p in ps])
+    n_started = 0
+
+    def spawn() -> subprocess.Popen[bytes]:
+        nonlocal n_started
+        n_started += 1
+        return start_worker(
+            server.url,
+            tiny_dense_dir,
+            f"c{n_started}",
+            tmp_path / f"c{n_started}.log",
+            *FAST,
+            concurrency=3,
+        )
+
+    workers = [spawn(), spawn()]
+    try:
+        deadline = time.monotonic() + 60
+        step = 0
+        while time.monotonic() < deadline:
+            statuses = await client.statuses(ids)
+            if all(s == "done" for s in statuses):
+                break
+            await asyncio.sleep(rng.uniform(1.0, 3.0))
+            step += 1
+            if step == 2:
+                await asyncio.to_thread(server.restart, kill=True)
+            elif step == 3:
+                await client.publish_weights(1, str(tiny_dense_dir))  # same weights, new version
+            elif step in (1, 4, 6):
+                victim = workers.pop(rng.randrange(len(workers)))
+                victim.kill()
+                victim.wait(10)
+                workers.append(spawn())
+        results = await client.wait(ids, timeout=240)
+    finally:
+        stop(*workers)
+    reference = await direct_greedy(tiny_dense_dir, ps, greedy(48))
+    for rid, r, (ref, _) in zip(ids, results, reference, strict=True):
+        assert r.status is Status.DONE
+        np.testing.assert_array_equal(r.response_token_ids, ref)
+        loaded = await client.store.load(rid)
+        assert loaded == await client.store.replay(rid)  # every history valid
+        events = await client.store.events(rid)
+        offsets = [e.offset for e in events if isinstance(e, TokensAppended)]
+        sizes = [len(e) for e in events if isinstance(e, TokensAppended)]
+        assert offsets == list(np.cumsum([0, *sizes])[:-1])  # each offset written once
+    assert n_started >= 4
