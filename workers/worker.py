@@ -115,9 +115,9 @@ class Worker:
     async def _take_jobs(self, rq: RqBridge) -> None:
         slots = asyncio.Semaphore(self.config.max_concurrency)
         while not self._stopping.is_set():
-            await slots.acquire()  # take a job only with a free slot: leave the rest to others
-            if self._stopping.is_set():
-                slots.release()
+            # Take a job only with a free slot (leave the rest to other workers), but wake up
+            # for a shutdown request even while every slot is busy.
+            if not await self._slot_or_stop(slots):
                 break
             await self.admitting.wait()  # no new work while weights are swapped
             running = await rq.dequeue(self.config.dequeue_timeout_s)
@@ -129,6 +129,24 @@ class Worker:
             task = asyncio.create_task(self._run_job(rq, running))
             self.tasks[running.execution.id] = task
             task.add_done_callback(lambda _t, eid=running.execution.id: self._done(eid, slots))
+
+    async def _slot_or_stop(self, slots: asyncio.Semaphore) -> bool:
+        """True with a slot acquired; False (holding none) once a stop was requested."""
+        acquire = asyncio.ensure_future(slots.acquire())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if acquire.done() and not acquire.cancelled():
+            if self._stopping.is_set():
+                slots.release()
+                return False
+            return True
+        acquire.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await acquire
+        if acquire.done() and not acquire.cancelled():
+            slots.release()  # acquired just as it was cancelled
+        return False
 
     def _done(self, execution_id: str, slots: asyncio.Semaphore) -> None:
         self.tasks.pop(execution_id, None)

@@ -269,3 +269,33 @@ async def test_bounded_chaos(server: RedisServer, tiny_dense_dir: Path, tmp_path
         sizes = [len(e) for e in events if isinstance(e, TokensAppended)]
         assert offsets == list(np.cumsum([0, *sizes])[:-1])  # each offset written once
     assert n_started >= 4
+
+
+async def test_sigterm_saves_progress_and_exits_promptly(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    client = RolloutClient(server.url)
+    ps = prompts(2, seed=5)
+    ids = await client.submit(
+        [RolloutRequest(prompt_token_ids=p, sampling=greedy(1500)) for p in ps]
+    )
+    a = start_worker(server.url, tiny_dense_dir, "t", tmp_path / "t.log", *FAST, concurrency=2)
+    b = None
+    try:
+        await until(lambda: _at_least(client, ids[0], 2 * K))
+        t0 = time.monotonic()
+        a.terminate()
+        assert a.wait(30) == 0
+        exit_s = time.monotonic() - t0
+        states = [await client.store.load(rid) for rid in ids]
+        # Nothing is left live: what was generating is saved and aborted for shutdown.
+        assert not any(s.status in (Status.GENERATING, Status.RESUMED) for s in states)
+        assert any(s.abort_reason is AbortReason.SHUTDOWN and s.num_tokens >= 2 * K for s in states)
+        b = start_worker(server.url, tiny_dense_dir, "t2", tmp_path / "t2.log", *FAST)
+        results = await client.wait(ids, timeout=180)
+    finally:
+        stop(a, *(p for p in [b] if p))
+    assert exit_s < 10
+    reference = await direct_greedy(tiny_dense_dir, ps, greedy(1500))
+    for r, (ref, _) in zip(results, reference, strict=True):
+        np.testing.assert_array_equal(r.response_token_ids, ref)
