@@ -132,7 +132,7 @@ def baseline(url: str, model: Path, logs: Path, max_tokens: int, kill_at: int) -
         PROMPT,
         max_tokens,
         retry=Retry(max=1),
-        job_timeout=600,
+        job_timeout=30,
     )
     a = rq_worker(url, logs / "rq-a.log")
     b = None
