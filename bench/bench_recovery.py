@@ -40,33 +40,15 @@ from rq import Queue, Retry
 from statemachine import RolloutRequest, SamplingParams, Started, TokensAppended
 from store.client import RolloutClient
 from store.server import RedisServer
+from workers import worker_main
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [101, 7, 350, 12, 999]
 
 
 def worker(url: str, model: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "workers.cli",
-            "worker",
-            "--redis",
-            url,
-            "--engine",
-            "cpu",
-            "--model",
-            str(model),
-            "--max-concurrency",
-            "1",
-            "--name",
-            name,
-        ],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-    )
+    cmd = worker_main.command(url, model, name, concurrency=1)
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def rq_worker(url: str, log: Path) -> subprocess.Popen[bytes]:

@@ -14,7 +14,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 from statemachine import RolloutRequest, SamplingParams
 from store.client import RolloutClient
 from store.server import RedisServer
+from workers import worker_main
 
 PROMPTS = [
     "the durable rollout",
@@ -59,24 +59,7 @@ def _model(path: str | None) -> Path:
 
 
 def _start_worker(url: str, model: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "workers.cli",
-        "worker",
-        "--redis",
-        url,
-        "--engine",
-        "cpu",
-        "--model",
-        str(model),
-        "--max-concurrency",
-        "2",
-        "--checkpoint-tokens",
-        "8",
-        "--name",
-        name,
-    ]
+    cmd = worker_main.command(url, model, name, "--checkpoint-tokens", "8", concurrency=2)
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 

@@ -13,6 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 
@@ -264,33 +265,26 @@ class RolloutRunner:
         reason: FinishReason,
         stop_reason: int | str | None,
     ) -> RolloutState:
-        events: list[Event] = []
-        if chunks:
-            events.append(self._tokens_event(state, chunks))
-        events.append(
-            Finished(
-                rollout_id=state.rollout_id,
-                seq=state.seq + 1 + len(events),
-                attempt=state.attempt,
-                finish_reason=reason,
-                stop_reason=stop_reason,
-            )
+        return await self._close(
+            state, chunks, Finished, finish_reason=reason, stop_reason=stop_reason
         )
-        return await self.checkpointer.append(state, events)
 
     async def _abort(
         self, state: RolloutState, chunks: list[Chunk], reason: AbortReason, detail: str
     ) -> RolloutState:
-        events: list[Event] = []
-        if chunks:
-            events.append(self._tokens_event(state, chunks))
+        return await self._close(state, chunks, Aborted, reason=reason, detail=detail)
+
+    async def _close(
+        self, state: RolloutState, chunks: list[Chunk], end: type[Event], **fields: Any
+    ) -> RolloutState:
+        """The attempt's last chunk (if any) and its ending event, in one chain."""
+        events: list[Event] = [self._tokens_event(state, chunks)] if chunks else []
         events.append(
-            Aborted(
+            end(
                 rollout_id=state.rollout_id,
                 seq=state.seq + 1 + len(events),
                 attempt=state.attempt,
-                reason=reason,
-                detail=detail,
+                **fields,
             )
         )
         return await self.checkpointer.append(state, events)

@@ -8,12 +8,25 @@ import asyncio
 import json
 import logging
 import signal
+import sys
+from pathlib import Path
 
 from store import defaults
 from workers.engine_factory import ENGINES, make_engine
 from workers.runner import Cadence
 from workers.weight_updates import WeightMode
 from workers.worker import Worker, WorkerConfig
+
+
+def command(
+    redis_url: str, model: str | Path, name: str, *extra: str, concurrency: int = 2,
+    engine: str = "cpu",
+) -> list[str]:
+    """The command line of a worker process (for the demo, tests and benchmarks)."""
+    return [
+        sys.executable, "-m", "workers.cli", "worker", "--redis", redis_url, "--engine", engine,
+        "--model", str(model), "--max-concurrency", str(concurrency), "--name", name, *extra,
+    ]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -2,41 +2,47 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-from statemachine import Aborted, Event, Failed, Finished, Resumed, Started
+from statemachine import Aborted, Event, Failed, Finished, Resumed, SamplingParams, Started
 from workers.engines.base import EngineRequest
 from workers.engines.cpu import CpuEngine
+from workers.worker_main import command
 
 
 def start_worker(
     url: str, model: Path, name: str, log: Path, *extra: str, concurrency: int = 2
 ) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "workers.cli",
-        "worker",
-        "--redis",
-        url,
-        "--engine",
-        "cpu",
-        "--model",
-        str(model),
-        "--max-concurrency",
-        str(concurrency),
-        "--name",
-        name,
-        "--checkpoint-tokens",
-        "8",
-        *extra,
-    ]
+    cmd = command(url, model, name, "--checkpoint-tokens", "8", *extra, concurrency=concurrency)
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def random_prompts(n: int, seed: int = 0, length: int = 6) -> list[tuple[int, ...]]:
+    rng = np.random.default_rng(seed)
+    return [tuple(int(t) for t in rng.integers(10, 2000, length)) for _ in range(n)]
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (after SIGCONT, in case a test stopped it) and wait; SIGKILL if it hangs."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
 
 
 def attempt_intervals(events_by_rollout: dict[str, list[Event]]) -> dict[str, list[tuple]]:

@@ -18,14 +18,13 @@ from statemachine import (
     Aborted,
     AbortReason,
     RolloutRequest,
-    SamplingParams,
     Status,
     TokensAppended,
 )
 from store.client import RolloutClient
 from store.queue import enqueue_rollouts, rollout_queue
 from store.server import RedisServer
-from tests.workers.helpers import direct_greedy, start_worker
+from tests.workers.helpers import direct_greedy, greedy, random_prompts, start_worker, stop
 
 pytestmark = pytest.mark.redis_server
 
@@ -33,32 +32,8 @@ FAST = ("--lease-ttl", "2", "--heartbeat", "0.25")  # recovery in seconds, for t
 K = 8  # checkpoint every 8 tokens (start_worker's default)
 
 
-@pytest.fixture
-def server(tmp_path: Path):  # type: ignore[no-untyped-def]
-    with RedisServer(tmp_path / "redis") as s:
-        yield s
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
 def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
-    rng = np.random.default_rng(seed)
-    return [tuple(int(t) for t in rng.integers(10, 2000, 5)) for _ in range(n)]
-
-
-def stop(*procs: subprocess.Popen[bytes]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+    return random_prompts(n, seed, length=5)
 
 
 async def tokens_of(client: RolloutClient, rid: str) -> int:

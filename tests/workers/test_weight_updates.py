@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,39 +14,19 @@ from statemachine import (
     Aborted,
     AbortReason,
     RolloutRequest,
-    SamplingParams,
     Status,
     TokensAppended,
 )
 from store.client import RolloutClient
 from store.server import RedisServer
-from tests.workers.helpers import direct_greedy, start_worker
+from tests.workers.helpers import direct_greedy, greedy, random_prompts, start_worker, stop
 from workers.tiny_model import make_tiny_checkpoint
 
 pytestmark = pytest.mark.redis_server
 
 
-@pytest.fixture
-def server(tmp_path: Path):  # type: ignore[no-untyped-def]
-    with RedisServer(tmp_path / "redis") as s:
-        yield s
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
 def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
-    rng = np.random.default_rng(seed)
-    return [tuple(int(t) for t in rng.integers(10, 2000, 6)) for _ in range(n)]
-
-
-def stop(*procs: subprocess.Popen[bytes]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        p.wait(60)
+    return random_prompts(n, seed, length=6)
 
 
 async def wait_tokens(client: RolloutClient, rid: str, at_least: int, timeout: float = 120) -> None:

@@ -19,29 +19,21 @@ from store.client import RolloutClient
 from store.queue import enqueue_rollouts, rollout_queue
 from store.server import RedisServer
 from tests.engines.test_cpu_moe import hf_routing
-from tests.workers.helpers import attempt_intervals, direct_greedy, max_overlap, start_worker
+from tests.workers.helpers import (
+    attempt_intervals,
+    direct_greedy,
+    max_overlap,
+    start_worker,
+    stop,
+)
 
 pytestmark = pytest.mark.redis_server
 
-GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture
-def server(tmp_path: Path):  # type: ignore[no-untyped-def]
-    with RedisServer(tmp_path / "redis") as s:
-        yield s
+GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
 
 
 def prompts(n: int) -> list[tuple[int, ...]]:
     return [tuple(int(t) for t in (np.arange(5) * (i + 3) + 11 * i + 7) % 2000) for i in range(n)]
-
-
-def stop(*procs: subprocess.Popen[bytes]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        p.wait(60)
 
 
 async def test_two_workers_two_slots_six_rollouts(
