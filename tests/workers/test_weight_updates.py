@@ -41,7 +41,8 @@ async def test_republishing_the_same_weights_changes_no_token(
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(8)
-    ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(48)) for p in ps])
+    n = 300  # long enough that the updates below land while generations are in flight
+    ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(n)) for p in ps])
     workers = [
         start_worker(server.url, tiny_dense_dir, f"w{i}", tmp_path / f"w{i}.log") for i in (1, 2)
     ]
@@ -49,12 +50,12 @@ async def test_republishing_the_same_weights_changes_no_token(
     try:
         await wait_tokens(client, ids[0], 1)
         for version in range(1, 5):  # aborts land at random offsets
-            await asyncio.sleep(rng.uniform(0.2, 0.9))
+            await asyncio.sleep(rng.uniform(0.05, 0.4))
             await client.publish_weights(version, str(tiny_dense_dir))
         results = await client.wait(ids, timeout=240)
     finally:
         stop(*workers)
-    reference = await direct_greedy(tiny_dense_dir, ps, greedy(48))
+    reference = await direct_greedy(tiny_dense_dir, ps, greedy(n))
     update_aborts = 0
     for rid, r, (ref_ids, ref_lp) in zip(ids, results, reference, strict=True):
         assert r.status is Status.DONE
@@ -73,7 +74,7 @@ async def test_a_real_update_mid_flight_switches_exactly(
 ) -> None:
     other = make_tiny_checkpoint(tmp_path / "v1", like=tiny_dense_dir, seed=1)
     client = RolloutClient(server.url)
-    prompt, n = prompts(1, seed=3)[0], 64
+    prompt, n = prompts(1, seed=3)[0], 200
     [rid] = await client.submit([RolloutRequest(prompt_token_ids=prompt, sampling=greedy(n))])
     worker = start_worker(
         server.url,
@@ -145,7 +146,7 @@ async def test_drain_and_keep_modes(
 ) -> None:
     other = make_tiny_checkpoint(tmp_path / "v1", like=tiny_dense_dir, seed=1)
     client = RolloutClient(server.url)
-    prompt, n = prompts(1, seed=9)[0], 64
+    prompt, n = prompts(1, seed=9)[0], 200
     [rid] = await client.submit([RolloutRequest(prompt_token_ids=prompt, sampling=greedy(n))])
     worker = start_worker(
         server.url,
