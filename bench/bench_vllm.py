@@ -60,7 +60,12 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
 
             model = make_tiny_model(tmp / "tiny-moe", moe=True, seed=0)
         t0 = time.perf_counter()
-        engine = VllmEngine(model, options=VllmOptions(max_model_len=args.max_model_len))
+        engine = VllmEngine(
+            model,
+            options=VllmOptions(
+                max_model_len=args.max_model_len, stream_interval=args.stream_interval
+            ),
+        )
         start_s = time.perf_counter() - t0
         reqs = requests(args.rollouts, args.max_tokens)
         t0 = time.perf_counter()
@@ -89,6 +94,7 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
         "rounds": args.rounds,
+        "stream_interval": args.stream_interval,
         "engine_start_s": round(start_s, 1),
         "warmup_s": round(warmup_s, 1),
         "direct_s_each": [round(x, 3) for x in direct_s],
@@ -108,6 +114,9 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument(
+        "--stream-interval", type=int, default=1, help="tokens per streamed chunk (vLLM)"
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as d:

@@ -13,6 +13,9 @@ import redis.asyncio as aredis
 from store import EventStore
 from store.server import RedisServer
 
+# The `vllm` marker, the vLLM environment redirect and the shared in-process engines.
+pytest_plugins = ["tests.vllm_plugin"]
+
 # Tests never reach a model hub: everything they load is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -25,3 +25,12 @@ class EngineClosed(EngineError):
 
 class WeightLoadError(EngineError):
     """A checkpoint could not be loaded; the engine keeps its previous weights and version."""
+
+
+class EngineUnavailable(EngineError):
+    """No healthy vLLM server could take the request, or retries ran out (vllm-http)."""
+
+
+class WireFormatError(EngineError):
+    """A vLLM server answered with something malformed (e.g. routed experts whose shape,
+    byte count or dtype do not agree); the answer is refused, never half-used."""

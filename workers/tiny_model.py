@@ -36,6 +36,10 @@ EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 VOCAB_SIZE = 2048
 HIDDEN_SIZE = 64
+# vLLM's CPU attention kernels support head sizes 32, 64, 80, ... only (16 fails at the first
+# forward with "Unsupported CPU attention configuration"), and the same tiny model must run
+# on every engine.
+HEAD_DIM = 32
 NUM_LAYERS = 2
 NUM_EXPERTS = 8
 TOP_K = 2
@@ -93,7 +97,7 @@ def _config(*, moe: bool, vocab_size: int, eos_id: int) -> PretrainedConfig:
         "num_hidden_layers": NUM_LAYERS,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 16,
+        "head_dim": HEAD_DIM,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,

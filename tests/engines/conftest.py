@@ -10,13 +10,16 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
-import json  # after the offline switches on purpose
+import dataclasses  # after the offline switches on purpose
+import json
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from workers.engines.base import Engine
 from workers.engines.cpu import CpuEngine
@@ -34,25 +37,64 @@ class EngineCase:
 
     name: str
     moe: bool
-    build: Callable[[Path, int], Awaitable[Engine]]
+    build: Callable[[Path, int], Awaitable[Engine]] | None = None
+    # Or: a fixture whose value has `async get(model_dir, weight_version)` and owns (and
+    # closes) the engines, shared across tests because they are expensive to start.
+    pool_fixture: str | None = None
     logprob_tol: float = 1e-5
     # vs a direct full-sequence HF forward, whose kernels round differently: measured
     # <= 5e-5 over 64 tokens of the tiny MoE (1e-5 dense), so 2e-4 leaves margin.
     hf_logprob_tol: float = 2e-4
+    # Whether a MoE engine returns routed experts (vLLM can only on GPU).
+    routed_experts: bool = True
+    marks: tuple[Any, ...] = ()
+
+    @property
+    def routes(self) -> bool:
+        return self.moe and self.routed_experts
 
 
 async def _build_cpu(model_dir: Path, weight_version: int) -> Engine:
     return CpuEngine(model_dir, weight_version=weight_version)
 
 
-# vLLM engines join here as more params when they exist.
+def _vllm_case(moe: bool) -> EngineCase:
+    # vLLM on CPU, float32. Its kernels (oneDNN GEMMs, its own attention, batched decode)
+    # round differently from torch's, so the tolerances are 10x the CPU engine's; the suite
+    # passes at these (the largest differences were not recorded).
+    return EngineCase(
+        name=f"vllm-{'moe' if moe else 'dense'}",
+        moe=moe,
+        pool_fixture="vllm_pool",
+        logprob_tol=1e-4,
+        hf_logprob_tol=1e-3,
+        routed_experts=False,  # enable_return_routed_experts needs Triton (GPU)
+        marks=(pytest.mark.vllm,),
+    )
+
+
 ENGINE_CASES = [
     EngineCase(name="cpu-dense", moe=False, build=_build_cpu),
     EngineCase(name="cpu-moe", moe=True, build=_build_cpu),
+    _vllm_case(moe=False),
+    _vllm_case(moe=True),
+    # Over HTTP, the MoE model only (the harder reload): each model directory the suite
+    # uses needs its own server process (30-60 s to start here).
+    dataclasses.replace(
+        _vllm_case(moe=True),
+        name="vllm-http-moe",
+        pool_fixture="vllm_server_pool",
+        marks=(pytest.mark.vllm, pytest.mark.vllm_server),
+    ),
 ]
 
 
-@pytest.fixture(params=ENGINE_CASES, ids=[c.name for c in ENGINE_CASES])
+# Session scope makes pytest run each case's tests together, so an expensive engine (vLLM)
+# is started once per case and not once per test.
+@pytest.fixture(
+    scope="session",
+    params=[pytest.param(c, marks=c.marks, id=c.name) for c in ENGINE_CASES],
+)
 def engine_case(request: pytest.FixtureRequest) -> EngineCase:
     return request.param
 
@@ -63,18 +105,36 @@ def model_dir(engine_case: EngineCase, request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(name)
 
 
+@pytest.fixture(scope="session")
+def _checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Path]:
+    return {}
+
+
 @pytest.fixture
-def second_checkpoint(model_dir: Path, tmp_path: Path) -> Path:
-    """Same architecture, different weights (seed 1): the target of weight updates."""
-    return make_tiny_checkpoint(tmp_path / "v2", like=model_dir, seed=1)
+def second_checkpoint(
+    model_dir: Path, _checkpoints: dict[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Same architecture, different weights (seed 1): the target of weight updates.
+
+    One per model for the session (deterministic content), so pooled engines started on it
+    are reused across tests."""
+    if model_dir not in _checkpoints:
+        _checkpoints[model_dir] = make_tiny_checkpoint(
+            tmp_path_factory.mktemp("v2") / "v2", like=model_dir, seed=1
+        )
+    return _checkpoints[model_dir]
 
 
 class _EngineFactory:
-    def __init__(self, case: EngineCase) -> None:
+    def __init__(self, case: EngineCase, pool: Any) -> None:
         self.case = case
+        self.pool = pool
         self.built: list[Engine] = []
 
     async def __call__(self, model_dir: Path, *, weight_version: int = 0) -> Engine:
+        if self.pool is not None:
+            return await self.pool.get(model_dir, weight_version)  # the pool closes it
+        assert self.case.build is not None
         engine = await self.case.build(model_dir, weight_version)
         self.built.append(engine)
         return engine
@@ -85,13 +145,20 @@ class _EngineFactory:
 
 
 @pytest.fixture
-async def engines(engine_case: EngineCase) -> AsyncIterator[_EngineFactory]:
-    factory = _EngineFactory(engine_case)
+def engine_pool(engine_case: EngineCase, request: pytest.FixtureRequest) -> Any:
+    """The case's engine pool, or None (resolved here, outside any running loop)."""
+    return request.getfixturevalue(engine_case.pool_fixture) if engine_case.pool_fixture else None
+
+
+# Session loop: pooled vLLM engines are bound to the loop that first used them.
+@pytest_asyncio.fixture(loop_scope="session")
+async def engines(engine_case: EngineCase, engine_pool: Any) -> AsyncIterator[_EngineFactory]:
+    factory = _EngineFactory(engine_case, engine_pool)
     yield factory
     await factory.close_all()
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(loop_scope="session")
 async def engine(engines: _EngineFactory, model_dir: Path) -> Engine:
     return await engines(model_dir)
 

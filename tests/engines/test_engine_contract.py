@@ -18,6 +18,9 @@ from workers.engines.stream import Generation, collect_request
 from workers.errors import EngineError, RequestAborted
 from workers.tiny_model import make_tiny_model
 
+# The session loop: pooled vLLM engines are bound to it (tests/engines/vllm_support.py).
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
 PROMPTS = (
     "The quick model runs",
     "Alpha beta gamma delta river",
@@ -60,13 +63,13 @@ def assert_same_logprobs(a: np.ndarray, b: np.ndarray, case: Any) -> None:
     np.testing.assert_allclose(a, b, rtol=0, atol=case.logprob_tol)
 
 
-def assert_well_formed(out: Generation, *, moe: bool) -> None:
+def assert_well_formed(out: Generation, *, routes: bool) -> None:
     for chunk in out.chunks:
         assert chunk.token_ids.dtype == np.int32
         assert chunk.token_ids.ndim == 1
         assert chunk.logprobs.dtype == np.float32
         assert chunk.logprobs.shape == chunk.token_ids.shape
-        if moe:
+        if routes:
             assert chunk.routed_experts is not None
             assert chunk.routed_experts.shape[0] == chunk.token_ids.shape[0]
         else:
@@ -86,7 +89,7 @@ async def test_greedy_is_deterministic(engine: Engine, prompts, engine_case: Any
     assert len(first.token_ids) == N
     assert first.token_ids == second.token_ids
     assert_same_logprobs(first.logprobs, second.logprobs, engine_case)
-    assert_well_formed(first, moe=engine_case.moe)
+    assert_well_formed(first, routes=engine_case.routes)
 
 
 @pytest.mark.parametrize("split", [1, 7, 16, N - 1])
@@ -99,7 +102,7 @@ async def test_resume_equals_uninterrupted(
     tail = await greedy(engine, prompts[1] + head.token_ids, n=N - split, request_id="tail")
     assert head.token_ids + tail.token_ids == full.token_ids
     assert_same_logprobs(np.concatenate([head.logprobs, tail.logprobs]), full.logprobs, engine_case)
-    if engine_case.moe:
+    if engine_case.routes:
         assert head.routed_experts is not None
         assert tail.routed_experts is not None
         resumed = np.concatenate([head.routed_experts, tail.routed_experts])
@@ -197,7 +200,7 @@ async def test_concurrent_greedy_equals_alone(engine: Engine, prompts, engine_ca
     for a, t in zip(alone, together, strict=True):
         assert t.token_ids == a.token_ids
         assert_same_logprobs(t.logprobs, a.logprobs, engine_case)
-        if engine_case.moe:
+        if engine_case.routes:
             np.testing.assert_array_equal(t.routed_experts, a.routed_experts)
 
 

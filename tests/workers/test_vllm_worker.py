@@ -1,0 +1,118 @@
+"""The Workers scenario on in-process vLLM: real worker subprocesses, a real redis-server.
+
+2 workers (each with its own AsyncLLM), 6 rollouts, at most 2 in flight per worker, every
+in-flight rollout aborted twice by weight updates while generating (the same weights
+republished, so greedy output must not change), run to max_tokens with ignore_eos: each
+rollout ends with exactly max_tokens ids and logprobs, equal to vLLM's direct greedy output,
+and its text is the decoding of its ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from statemachine import Aborted, AbortReason, RolloutRequest, SamplingParams, Status
+from statemachine.states import LIVE
+from store.client import RolloutClient
+from store.server import RedisServer
+from tests.workers.helpers import attempt_intervals, max_overlap, stop
+from workers.engines.base import EngineRequest
+from workers.engines.stream import collect_request
+from workers.worker_main import command
+
+pytestmark = [
+    pytest.mark.redis_server,
+    pytest.mark.vllm,
+    pytest.mark.asyncio(loop_scope="session"),
+]
+
+MAX_TOKENS = 300  # long enough for both weight updates to land mid-generation
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def start_vllm_worker(url: str, model: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, ROLLOUTS_VLLM_ENGINE_ARGS='{"max_model_len": 512}')
+    cmd = command(url, model, name, "--checkpoint-tokens", "8", concurrency=2, engine="vllm")
+    return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+
+
+async def until(cond, what: str, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def test_two_vllm_workers_six_rollouts_aborted_twice(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path, vllm_env: Path, vllm_pool
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dense_dir)
+    client = RolloutClient(server.url, tokenizer=tokenizer)
+    rng = np.random.default_rng(5)
+    ps = [tuple(int(t) for t in rng.integers(10, 2000, 6)) for _ in range(6)]
+    workers = [
+        start_vllm_worker(server.url, tiny_dense_dir, f"v{i}", tmp_path / f"v{i}.log")
+        for i in (1, 2)
+    ]
+    try:
+        ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=GREEDY) for p in ps])
+
+        async def generating() -> bool:
+            # Live in an engine right now, with tokens already recorded.
+            states = [await client.store.load(rid) for rid in ids]
+            return any(s.status in LIVE and 0 < s.num_tokens < MAX_TOKENS for s in states)
+
+        for version in (1, 2):  # republish the same weights: aborts, reload, resume
+            await until(generating, "no rollout was generating")
+            await client.publish_weights(version, str(tiny_dense_dir))
+            await until(
+                lambda v=version: _any_abort(client, ids, v), f"update {version} aborted nothing"
+            )
+        results = await client.wait(ids, timeout=300)
+    finally:
+        stop(*workers)
+
+    engine = await vllm_pool.get(tiny_dense_dir)
+    update_aborts = 0
+    events = {rid: await client.store.events(rid) for rid in ids}
+    for i, (rid, prompt, r) in enumerate(zip(ids, ps, results, strict=True)):
+        assert r.status is Status.DONE and r.finish_reason == "length"
+        assert len(r.response_token_ids) == MAX_TOKENS
+        assert len(r.logprobs) == MAX_TOKENS
+        assert np.isfinite(r.logprobs).all()
+        assert r.text == tokenizer.decode(r.response_token_ids.tolist(), skip_special_tokens=True)
+        assert (np.diff(r.weight_versions) >= 0).all()
+        direct = await collect_request(
+            engine, EngineRequest(request_id=f"direct{i}", prompt_token_ids=prompt, sampling=GREEDY)
+        )
+        assert r.response_token_ids.tolist() == direct.token_ids  # aborts changed nothing
+        np.testing.assert_allclose(r.logprobs, direct.logprobs, atol=1e-4, rtol=0)
+        update_aborts += sum(
+            isinstance(e, Aborted) and e.reason is AbortReason.WEIGHT_UPDATE for e in events[rid]
+        )
+    assert update_aborts >= 2
+    per_worker = attempt_intervals(events)
+    assert set(per_worker) == {"v1", "v2"}  # both engines served
+    assert all(max_overlap(iv) <= 2 for iv in per_worker.values())
+    await client.aclose()
+
+
+async def _any_abort(client: RolloutClient, ids: list[str], version: int) -> bool:
+    for rid in ids:
+        for e in await client.store.events(rid):
+            if (
+                isinstance(e, Aborted)
+                and e.reason is AbortReason.WEIGHT_UPDATE
+                and (f"-> v{version}" in e.detail)
+            ):
+                return True
+    return False

@@ -1,0 +1,425 @@
+"""The `vllm` engine: vLLM's AsyncLLM in this process, behind the Engine protocol.
+
+Token ids in (`TokensPrompt`), token ids out, streamed as DELTA outputs with the raw logprob
+of each sampled token (`logprobs=0`, vLLM's default `logprobs_mode="raw_logprobs"`).
+
+Weight updates keep in-flight requests going, as the protocol asks, by doing inside the
+engine what the worker does across processes: `load_weights` pauses vLLM with
+`mode="abort"` (every running sub-request ends at a step boundary), reloads the checkpoint in
+place through the worker extension (`vllm_ext.py`), resets the prefix cache, and each
+interrupted stream resubmits `prompt + tokens so far` with its budgets reduced. So
+- a chunk never spans a swap, and its `weight_version` is exact (a sub-request lives under
+  one version; vLLM's own version labels come only on the final output);
+- the KV cache of in-flight requests is recomputed on the new weights, never reused stale;
+- `cache_salt` is the weight version too, so a prefix computed under other weights can never
+  be hit even if a reset were missed.
+The price: a seeded *sampled* (temperature > 0) request restarts its random stream at the
+swap (vLLM seeds a generator per request); greedy output is unaffected.
+
+Routed experts (`routed_experts=True`, needs vLLM's `enable_return_routed_experts`, which
+needs Model Runner V2 and so Triton: GPU only): vLLM returns them only on a request's final
+output, so chunks are then held back until the sub-request ends (one chunk per sub-request,
+its rows sliced by `routes_for_tokens`). On CPU the MoE engine yields `routed_experts=None`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workers.engines.base import Chunk, EngineRequest, expert_dtype
+from workers.engines.vllm_common import (
+    ABORT,
+    check_prompt,
+    check_same_architecture,
+    continuation,
+    eos_token_ids,
+    finish_reason,
+    read_config,
+    stop_reason,
+)
+from workers.errors import EngineClosed, EngineError, RequestAborted, WeightLoadError
+
+log = logging.getLogger("rollouts.vllm")
+
+EXTENSION = "workers.engines.vllm_ext.DurableWorkerExtension"
+CPU_KV_CACHE_BYTES = 256 << 20  # 256k tokens of the tiny models; plenty for tests and demos
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmOptions:
+    """Engine arguments we choose; anything else goes through `extra` to AsyncEngineArgs.
+
+    float32 by default: bfloat16 output depends on batch composition, so the exact
+    abort/resume equality (invariant 3) only holds in float32.
+    """
+
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    enforce_eager: bool = True
+    seed: int = 0
+    # KV cache size. None: vLLM's own sizing on GPU (gpu_memory_utilization), and on CPU
+    # CPU_KV_CACHE_BYTES instead of vLLM's 4 GiB per engine.
+    kv_cache_bytes: int | None = None
+    routed_experts: bool = False
+    # vLLM's stream_interval: tokens per streamed output. Larger chunks mean fewer consumer
+    # iterations, but measured with bench_vllm.py (tiny MoE, 64 x 128 tokens, 16 in flight,
+    # this shared 2-core machine) durable/direct was 0.73-0.99 with 1 and 0.79-0.83 with 16:
+    # no clear gain, so one token per chunk, like the CPU engine. Raise it on fast GPUs.
+    stream_interval: int = 1
+    extra: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(eq=False)
+class _Stream:
+    request: EngineRequest
+    aborted: bool = False
+    sub_id: str | None = None
+    wake: asyncio.Event | None = None
+
+
+class VllmEngine:
+    """`Engine` on an in-process `vllm.v1.engine.async_llm.AsyncLLM`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        weight_version: int = 0,
+        options: VllmOptions | None = None,
+    ) -> None:
+        # Blocking (~15-25 s on 2 CPU cores): builds the engine core and worker processes.
+        # Safe outside an event loop: AsyncLLM starts its output task on first use.
+        from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415  (heavy import)
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
+
+        self.options = opts = options or VllmOptions()
+        self._config = read_config(model_dir)
+        kwargs: dict[str, Any] = {
+            "model": str(model_dir),
+            "dtype": opts.dtype,
+            "max_model_len": opts.max_model_len,
+            "enforce_eager": opts.enforce_eager,
+            "seed": opts.seed,
+            "worker_extension_cls": EXTENSION,
+            "enable_prefix_caching": True,
+            "disable_log_stats": True,
+            "enable_return_routed_experts": opts.routed_experts,
+            **dict(opts.extra),
+        }
+        if opts.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = opts.kv_cache_bytes
+        elif not _has_gpu():
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        self._llm: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self._source = str(model_dir)
+        self._weight_version = weight_version
+        self._vocab = int(self._config["vocab_size"])
+        self._eos = eos_token_ids(model_dir)
+        n_experts = self._config.get("num_experts") or self._config.get("num_local_experts")
+        self._expert_dtype = expert_dtype(int(n_experts)) if n_experts else None
+        self._streams: dict[str, _Stream] = {}
+        self._serials = itertools.count()
+        self._epoch = 0  # +1 per load: a sub-request submitted before it was interrupted by it
+        self._ready = asyncio.Event()  # cleared while a load runs; no submission meanwhile
+        self._ready.set()
+        self._submitting = 0
+        self._load_lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def in_flight(self) -> list[str]:
+        """Ids of the requests currently streaming."""
+        return list(self._streams)
+
+    @property
+    def source(self) -> str:
+        """The checkpoint directory the weights were last loaded from."""
+        return self._source
+
+    # ---- generate ------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
+        self._check(request)
+        stream = _Stream(request=request, wake=asyncio.Event())
+        self._streams[request.request_id] = stream
+        generated: list[int] = []
+        finished = False
+        try:
+            while not finished:
+                await self._until_ready(stream)
+                epoch, version = self._epoch, self._weight_version
+                collector = await self._submit(stream, generated, version)
+                async for chunk, done in self._drain(stream, collector, version, epoch):
+                    generated.extend(int(t) for t in chunk.token_ids)
+                    finished = done
+                    yield chunk
+                if not finished and self._epoch == epoch and self._ready.is_set():
+                    # Ended with "abort" that no load of ours caused (vLLM-side abort).
+                    raise RequestAborted(f"request {request.request_id!r} was aborted by vLLM")
+        finally:
+            if self._streams.get(request.request_id) is stream:
+                del self._streams[request.request_id]
+            if not finished and stream.sub_id is not None and not self._closed:
+                # Aborted, failed, or the consumer left: free vLLM's slot (idempotent there).
+                with contextlib.suppress(Exception):  # cleanup must not mask the cause
+                    await self._llm.abort(stream.sub_id)
+
+    async def _submit(self, stream: _Stream, generated: list[int], version: int) -> Any:
+        from vllm import SamplingParams, TokensPrompt  # noqa: PLC0415
+        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+
+        prompt, kwargs = continuation(stream.request, generated)
+        params = SamplingParams(
+            **kwargs,
+            flat_logprobs=True,
+            output_kind=RequestOutputKind.DELTA,
+            stream_interval=self.options.stream_interval,
+            # Text is only needed to match stop strings (callers decode ids themselves), and
+            # detokenizing runs on this process's event loop, shared with the worker.
+            detokenize=bool(stream.request.sampling.stop),
+        )
+        if self.options.routed_experts:
+            # Rows from the last prompt position on: row t is the forward that produced
+            # token t (see Chunk), so no prompt rows cross the wire.
+            params.routed_experts_prompt_start = len(prompt) - 1
+        stream.sub_id = f"{stream.request.request_id}@{next(self._serials)}"
+        self._submitting += 1
+        try:
+            return await self._llm.add_request(
+                stream.sub_id,
+                TokensPrompt(prompt_token_ids=prompt, cache_salt=f"w{version}"),
+                params,
+            )
+        except Exception as exc:
+            # vLLM's validation errors (and a dead engine) surface as our EngineError.
+            raise EngineError(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._submitting -= 1
+
+    async def _drain(
+        self, stream: _Stream, collector: Any, version: int, epoch: int
+    ) -> AsyncIterator[tuple[Chunk, bool]]:
+        """Chunks of one sub-request; ends quietly on a finish or on a load's abort."""
+        held: list[Any] = []  # outputs held back until routes arrive (routed_experts only)
+        while True:
+            out = await _next_output(collector)
+            if stream.aborted:
+                # Late outputs after abort() are dropped, whatever was already collected.
+                raise RequestAborted(f"request {stream.request.request_id!r} was aborted")
+            completion = out.outputs[0]
+            interrupted = completion.finish_reason == ABORT
+            if interrupted and self._epoch == epoch and self._ready.is_set():
+                return  # an abort nobody asked of this engine: generate() raises
+            reason = None if interrupted else finish_reason(completion.finish_reason)
+            if self.options.routed_experts:
+                held.append(completion)
+                if reason is None and not interrupted:
+                    continue
+                chunk = self._routed_chunk(held, reason, version)
+            else:
+                chunk = self._chunk(completion, reason, version)
+            if chunk is not None and reason is not None:
+                chunk = dataclasses.replace(
+                    chunk,
+                    stop_reason=stop_reason(
+                        chunk.stop_reason, params=stream.request.sampling, eos_ids=self._eos
+                    ),
+                )
+            if chunk is not None:
+                yield chunk, reason is not None
+            if reason is not None or interrupted:
+                return
+
+    def _chunk(self, completion: Any, reason: Any, version: int) -> Chunk | None:
+        ids = np.asarray(completion.token_ids, dtype=np.int32)
+        if ids.size == 0 and reason is None:
+            return None
+        return Chunk(
+            token_ids=ids,
+            logprobs=sampled_logprobs(completion.logprobs, ids),
+            finish_reason=reason,
+            stop_reason=completion.stop_reason if reason is not None else None,
+            weight_version=version,
+        )
+
+    def _routed_chunk(self, held: list[Any], reason: Any, version: int) -> Chunk | None:
+        ids = np.asarray([t for c in held for t in c.token_ids], dtype=np.int32)
+        if ids.size == 0 and reason is None:
+            return None
+        logprobs = np.concatenate([sampled_logprobs(c.logprobs, c.token_ids) for c in held])
+        assert self._expert_dtype is not None
+        last = held[-1]
+        return Chunk(
+            token_ids=ids,
+            logprobs=logprobs.astype(np.float32),
+            routed_experts=routes_for_tokens(last.routed_experts, ids.size, self._expert_dtype),
+            finish_reason=reason,
+            stop_reason=last.stop_reason if reason is not None else None,
+            weight_version=version,
+        )
+
+    async def _until_ready(self, stream: _Stream) -> None:
+        while not self._ready.is_set():
+            assert stream.wake is not None
+            waiters = [
+                asyncio.ensure_future(self._ready.wait()),
+                asyncio.ensure_future(stream.wake.wait()),
+            ]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+            if stream.aborted:
+                raise RequestAborted(f"request {stream.request.request_id!r} was aborted")
+
+    def _check(self, request: EngineRequest) -> None:
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        if request.request_id in self._streams:
+            raise EngineError(f"request id {request.request_id!r} is already in flight")
+        check_prompt(request, vocab_size=self._vocab, max_model_len=self.options.max_model_len)
+
+    # ---- abort, weights, close -------------------------------------------------------
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return  # unknown, finished or already aborted: abort is idempotent
+        stream.aborted = True  # from here on the stream yields nothing more
+        if stream.wake is not None:
+            stream.wake.set()
+        if stream.sub_id is not None and not self._closed:
+            await self._llm.abort(stream.sub_id)
+
+    async def load_weights(self, source: str, version: int) -> None:
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        check_same_architecture(self._config, source)
+        async with self._load_lock:
+            self._ready.clear()
+            try:
+                while self._submitting:
+                    await asyncio.sleep(0.001)  # an add_request in flight would miss the pause
+                self._epoch += 1
+                await self._llm.pause_generation(mode="abort", clear_cache=True)
+                try:
+                    await self._reload(str(source))
+                    self._weight_version = version
+                finally:
+                    # KV and prefix cache from the old weights must never be reused.
+                    await self._llm.reset_prefix_cache()
+                    await self._llm.resume_generation()
+            finally:
+                self._ready.set()
+
+    async def _reload(self, source: str) -> None:
+        errors = await self._llm.collective_rpc("durable_reload_weights", args=(source,))
+        failed = [e for e in errors if e]
+        if not failed:
+            self._source = source
+            return
+        # A failed reload may have overwritten some tensors: put the last good weights back.
+        restore = await self._llm.collective_rpc("durable_reload_weights", args=(self._source,))
+        if any(restore):
+            raise EngineError(
+                f"reload of {source} failed ({failed[0]}) and so did the "
+                f"restore of {self._source} ({restore}); weights are unusable"
+            )
+        raise WeightLoadError(f"reload of {source} failed: {failed[0]}")
+
+    async def weight_checksum(self) -> float:
+        """Sum of all parameters in the worker (tests: did a reload change the weights?)."""
+        return float((await self._llm.collective_rpc("durable_weight_checksum"))[0])
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for stream in list(self._streams.values()):
+            stream.aborted = True
+            if stream.wake is not None:
+                stream.wake.set()
+        handler = self._llm.output_handler
+        if handler is not None:
+            # Stopped first, or it reports the engine core's exit below as an engine death.
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+                await handler  # RuntimeError: the task belongs to a loop that is gone
+        # shutdown() blocks (it joins vLLM's processes, a few seconds): off the loop.
+        await asyncio.to_thread(self._llm.shutdown)
+        # Dropped now, while modules are intact: AsyncLLM.__del__ calls shutdown() again
+        # and fails noisily when that happens at interpreter exit.
+        self._llm = None
+
+
+def _has_gpu() -> bool:
+    import torch  # noqa: PLC0415  (present wherever vllm is)
+
+    return bool(torch.cuda.is_available())
+
+
+async def _next_output(collector: Any) -> Any:
+    """The collector's next (possibly merged) output; vLLM's failures as EngineError.
+
+    No separate wake-up is needed for abort: `AsyncLLM.abort` puts a final "abort" output
+    into the collector before it returns, which ends this wait.
+    """
+    try:
+        return collector.get_nowait() or await collector.get()
+    except Exception as exc:
+        # EngineDeadError and request-level errors travel through the collector.
+        raise EngineError(f"vLLM failed the request: {type(exc).__name__}: {exc}") from exc
+
+
+def sampled_logprobs(logprobs: Any, token_ids: Any) -> np.ndarray:
+    """The sampled token's logprob per position from vLLM's (flat) logprobs.
+
+    With `logprobs=0` each position holds exactly the sampled token; its entry comes first
+    whatever k is (vLLM puts the sampled token ahead of the top-k).
+    """
+    n = len(token_ids)
+    if logprobs is None or len(logprobs) != n:
+        raise EngineError(
+            f"vLLM returned {0 if logprobs is None else len(logprobs)} logprobs for {n} tokens"
+        )
+    starts = logprobs.start_indices
+    values = np.fromiter((logprobs.logprobs[s] for s in starts), dtype=np.float64, count=n)
+    ids = [logprobs.token_ids[s] for s in starts]
+    if ids != [int(t) for t in token_ids]:
+        raise EngineError("vLLM's logprobs are not those of the sampled tokens")
+    return values.astype(np.float32)
+
+
+def routes_for_tokens(routed: Any, n_tokens: int, dtype: np.dtype) -> np.ndarray:
+    """One routing row per generated token from vLLM's `routed_experts` output.
+
+    vLLM returns `[positions, moe_layers, top_k]` from `routed_experts_prompt_start` (we set
+    it to the last prompt position) up to the last token *excluded* (no forward ran on it):
+    exactly `n_tokens` rows, row t being the forward that produced token t.
+    """
+    if routed is None:
+        raise EngineError("routed experts were enabled but vLLM returned none")
+    arr = np.asarray(routed)
+    if arr.ndim != 3 or arr.shape[0] != n_tokens:
+        raise EngineError(
+            f"vLLM returned routed experts of shape {arr.shape} for {n_tokens} tokens; "
+            "expected [n_tokens, moe_layers, top_k]"
+        )
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(dtype).max):
+        raise EngineError(f"routed expert ids outside 0..{np.iinfo(dtype).max}")
+    return arr.astype(dtype)
