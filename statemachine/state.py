@@ -78,7 +78,8 @@ class RolloutState:
         if not routes:
             return None
         widest = max((r.dtype for r in routes), key=lambda d: d.itemsize)
-        return np.concatenate([r.astype(widest, copy=False) for r in routes])
+        result: npt.NDArray[Any] = np.concatenate([r.astype(widest, copy=False) for r in routes])
+        return result
 
     @property
     def nonfinite_logprobs(self) -> int:

@@ -120,7 +120,15 @@ class Worker:
             if not await self._slot_or_stop(slots):
                 break
             await self.admitting.wait()  # no new work while weights are swapped
-            running = await rq.dequeue(self.config.dequeue_timeout_s)
+            try:
+                running = await rq.dequeue(self.config.dequeue_timeout_s)
+            except Exception:
+                # Redis unreachable for longer than the client's own retries: keep the process
+                # (and its engine) alive, the rollouts in flight keep buffering; try again.
+                log.warning("cannot take jobs from Redis; retrying", exc_info=True)
+                slots.release()
+                await asyncio.sleep(1.0)
+                continue
             if running is None:
                 slots.release()
                 if self.config.burst and not self.tasks:
