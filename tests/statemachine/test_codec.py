@@ -143,45 +143,23 @@ def test_unknown_type_and_future_schema_are_named() -> None:
     with pytest.raises(CorruptRecord, match="bad aborted fields"):
         codec.decode(_forge(["aborted", 1, "r", 3, 0.0, {"attempt": 1, "reason": "meteor"}]))
     with pytest.raises(CorruptRecord, match="needs 12 bytes, got 8"):
-        codec.decode(
-            _forge(
-                [
-                    "tokens_appended",
-                    1,
-                    "r",
-                    3,
-                    0.0,
-                    {
-                        "attempt": 1,
-                        "offset": 0,
-                        "token_ids": ["<i4", [3], b"\x00" * 8],
-                        "logprobs": ["<f4", [3], b"\x00" * 12],
-                        "weight_versions": ["<i8", [3], b"\x00" * 24],
-                        "routed_experts": None,
-                    },
-                ]
-            )
-        )
+        codec.decode(_forged_tokens(["<i4", [3], b"\x00" * 8], n=3))  # 2 ids' bytes for 3
     with pytest.raises(CorruptRecord, match="not allowed"):
-        codec.decode(
-            _forge(
-                [
-                    "tokens_appended",
-                    1,
-                    "r",
-                    3,
-                    0.0,
-                    {
-                        "attempt": 1,
-                        "offset": 0,
-                        "token_ids": ["|O", [1], b"\x00" * 8],
-                        "logprobs": ["<f4", [1], b"\x00" * 4],
-                        "weight_versions": ["<i8", [1], b"\x00" * 8],
-                        "routed_experts": None,
-                    },
-                ]
-            )
-        )
+        codec.decode(_forged_tokens(["|O", [1], b"\x00" * 8], n=1))  # object dtype: never
+
+
+def _forged_tokens(token_ids: list, n: int) -> bytes:
+    """A checksummed tokens_appended record whose token_ids field is ``token_ids``."""
+    fields = {
+        "attempt": 1,
+        "offset": 0,
+        "token_ids": token_ids,
+        "logprobs": ["<f4", [n], b"\x00" * 4 * n],
+        "weight_versions": ["<i8", [n], b"\x00" * 8 * n],
+        "routed_experts": None,
+        "nonfinite_logprobs": 0,
+    }
+    return _forge(["tokens_appended", 1, "r", 3, 0.0, fields])
 
 
 def test_old_schema_is_upcast_by_a_named_function(monkeypatch: pytest.MonkeyPatch) -> None:
