@@ -8,10 +8,13 @@ from pathlib import Path
 
 import fakeredis
 import pytest
+import pytest_asyncio
 import redis.asyncio as aredis
 
 from store import EventStore
 from store.server import RedisServer
+from tests.engine_pool import EnginePool
+from tests.engine_pool import cpu_pool as cpu_engine_pool
 
 # The `vllm` marker, the vLLM environment redirect and the shared in-process engines.
 pytest_plugins = ["tests.vllm_plugin"]
@@ -35,6 +38,14 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from workers.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "moe", moe=True, seed=0)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def cpu_pool() -> AsyncIterator[EnginePool]:
+    """CPU engines shared by the session's tests (`tests.engine_pool`)."""
+    pool = cpu_engine_pool()
+    yield pool
+    await pool.close()
 
 
 @pytest.fixture(scope="session")

@@ -108,9 +108,9 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def vllm_pool(vllm_env: Path) -> AsyncIterator[Any]:
-    from tests.engines.vllm_support import VllmPool
+    from tests.engines.vllm_support import vllm_pool as make_pool
 
-    pool = VllmPool()
+    pool = make_pool()
     yield pool
     await pool.close()
 

@@ -34,3 +34,9 @@ class EngineUnavailable(EngineError):
 class WireFormatError(EngineError):
     """A vLLM server answered with something malformed (e.g. routed experts whose shape,
     byte count or dtype do not agree); the answer is refused, never half-used."""
+
+
+class EngineDead(EngineError):
+    """The engine's core (its process) died: nothing it held can finish here, and no later
+    call will work. The worker stops and its rollouts resume elsewhere (vLLM's
+    EngineDeadError is reported as this too)."""

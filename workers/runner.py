@@ -36,7 +36,7 @@ from store import AppendRefused, EventStore, defaults
 from store.leases import Leases, now_ms
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Chunk, Engine, EngineRequest
-from workers.errors import EngineError, RequestAborted
+from workers.errors import EngineDead, EngineError, RequestAborted
 
 
 class Outcome(StrEnum):
@@ -45,6 +45,7 @@ class Outcome(StrEnum):
     ABORTED = "aborted"  # stopped on request (shutdown, weight update); progress kept
     LOST = "lost"  # another writer took the rollout over (fenced out); nothing more to do
     DUPLICATE = "duplicate"  # a live worker holds the rollout's lease: this job is a duplicate
+    ENGINE_DEAD = "engine_dead"  # progress kept, attempt aborted; the engine is gone for good
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class Stats:
     checkpoints: int = 0
     nonfinite_logprobs: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
+    engine_dead: str | None = None  # why the engine died, if it did (the worker then stops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +234,12 @@ class RolloutRunner:
             reason, detail = self._stop_reasons.get(rid, (AbortReason.SHUTDOWN, ""))
             state = await self._settle(in_flight, state)
             return RunResult(Outcome.ABORTED, await self._abort(state, buffer, reason, detail))
+        except EngineDead as exc:
+            # Not this rollout's fault: save it and give it back; the worker stops.
+            error = f"{type(exc).__name__}: {exc}"
+            state = await self._settle(in_flight, state)
+            state = await self._abort(state, buffer, AbortReason.ENGINE_ERROR, error)
+            return RunResult(Outcome.ENGINE_DEAD, state, error)
         except EngineError as exc:
             error = f"{type(exc).__name__}: {exc}"
             state = await self._settle(in_flight, state)

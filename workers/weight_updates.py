@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from statemachine import AbortReason
 from store.weights import WeightRegistry, WeightVersion
+from workers.errors import EngineDead, EngineError
 
 if TYPE_CHECKING:
     from workers.worker import Worker
@@ -61,10 +62,25 @@ class WeightFollower:
             await self.apply(latest)
 
     async def follow(self) -> None:
+        refused = -1  # the newest version the engine could not load
         while True:
-            newer = await self.registry.wait_newer(self.worker.engine.weight_version, 5.0)
-            if newer is not None:
+            seen = max(self.worker.engine.weight_version, refused)
+            newer = await self.registry.wait_newer(seen, 5.0)
+            if newer is None:
+                continue
+            try:
                 await self.apply(newer)
+            except EngineDead as exc:
+                self.worker.engine_died(f"{type(exc).__name__}: {exc}")
+                return
+            except EngineError as exc:
+                # A bad checkpoint: the engine kept its weights. Serve on them (every token
+                # says which) rather than stop; a newer publish is tried as usual.
+                log.error(
+                    "weights v%d refused, still serving v%d: %s",
+                    newer.version, self.worker.engine.weight_version, exc,
+                )  # fmt: skip
+                refused = newer.version
 
     async def apply(self, wv: WeightVersion) -> None:
         worker = self.worker

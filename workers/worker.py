@@ -68,6 +68,13 @@ class Worker:
         """Stop taking jobs; running rollouts save their progress and go back to the queue."""
         self._stopping.set()
 
+    def engine_died(self, error: str) -> None:
+        """The engine is gone for good: stop; every rollout here is saved and requeued."""
+        if self.stats.engine_dead is None:
+            log.error("engine died (%s): stopping this worker", error)
+            self.stats.engine_dead = error
+        self.request_stop()
+
     async def run(self) -> Stats:
         cfg = self.config
         client = connect(cfg.redis_url)
@@ -180,6 +187,9 @@ class Worker:
                 await rq.fail(running, f"rollout {rid} failed: {result.error}")
                 return
             await rq.requeue(running, at_front=False)  # another attempt, maybe elsewhere
+        elif outcome is Outcome.ENGINE_DEAD:
+            self.engine_died(result.error or "engine died")
+            await rq.requeue(running, at_front=True)  # first in line for a worker with an engine
         elif outcome is Outcome.ABORTED:
             # Shutdown or weight update: first in line for the next worker on current weights.
             await rq.requeue(running, at_front=True)

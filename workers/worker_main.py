@@ -110,10 +110,12 @@ def run(args: argparse.Namespace) -> int:
                     "checkpoints": stats.checkpoints,
                     "nonfinite_logprobs": stats.nonfinite_logprobs,
                     "outcomes": stats.outcomes,
+                    "engine_dead": stats.engine_dead,
                 }
             ),
             flush=True,
         )
 
     asyncio.run(main())
-    return 0
+    # Non-zero when the engine died, so a supervisor restarts the worker (with a new engine).
+    return 1 if worker.stats.engine_dead else 0

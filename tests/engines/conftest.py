@@ -13,7 +13,7 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 import dataclasses  # after the offline switches on purpose
 import json
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from tests.engine_pool import EnginePool
 from workers.engines.base import Engine
-from workers.engines.cpu import CpuEngine
 from workers.tiny_model import make_tiny_checkpoint
 
 
@@ -37,10 +37,9 @@ class EngineCase:
 
     name: str
     moe: bool
-    build: Callable[[Path, int], Awaitable[Engine]] | None = None
-    # Or: a fixture whose value has `async get(model_dir, weight_version)` and owns (and
-    # closes) the engines, shared across tests because they are expensive to start.
-    pool_fixture: str | None = None
+    # The session fixture whose `EnginePool` (tests/engine_pool.py) starts, shares and
+    # closes this case's engines: every engine is seconds to start.
+    pool_fixture: str
     logprob_tol: float = 1e-5
     # vs a direct full-sequence HF forward, whose kernels round differently: measured
     # <= 5e-5 over 64 tokens of the tiny MoE (1e-5 dense), so 2e-4 leaves margin.
@@ -52,10 +51,6 @@ class EngineCase:
     @property
     def routes(self) -> bool:
         return self.moe and self.routed_experts
-
-
-async def _build_cpu(model_dir: Path, weight_version: int) -> Engine:
-    return CpuEngine(model_dir, weight_version=weight_version)
 
 
 def _vllm_case(moe: bool) -> EngineCase:
@@ -74,8 +69,8 @@ def _vllm_case(moe: bool) -> EngineCase:
 
 
 ENGINE_CASES = [
-    EngineCase(name="cpu-dense", moe=False, build=_build_cpu),
-    EngineCase(name="cpu-moe", moe=True, build=_build_cpu),
+    EngineCase(name="cpu-dense", moe=False, pool_fixture="cpu_pool"),
+    EngineCase(name="cpu-moe", moe=True, pool_fixture="cpu_pool"),
     _vllm_case(moe=False),
     _vllm_case(moe=True),
     # Over HTTP, the MoE model only (the harder reload): each model directory the suite
@@ -125,41 +120,27 @@ def second_checkpoint(
     return _checkpoints[model_dir]
 
 
-class _EngineFactory:
-    def __init__(self, case: EngineCase, pool: Any) -> None:
-        self.case = case
-        self.pool = pool
-        self.built: list[Engine] = []
-
-    async def __call__(self, model_dir: Path, *, weight_version: int = 0) -> Engine:
-        if self.pool is not None:
-            return await self.pool.get(model_dir, weight_version)  # the pool closes it
-        assert self.case.build is not None
-        engine = await self.case.build(model_dir, weight_version)
-        self.built.append(engine)
-        return engine
-
-    async def close_all(self) -> None:
-        for engine in self.built:
-            await engine.close()
-
-
 @pytest.fixture
-def engine_pool(engine_case: EngineCase, request: pytest.FixtureRequest) -> Any:
-    """The case's engine pool, or None (resolved here, outside any running loop)."""
-    return request.getfixturevalue(engine_case.pool_fixture) if engine_case.pool_fixture else None
+def engine_pool(engine_case: EngineCase, request: pytest.FixtureRequest) -> EnginePool:
+    """The case's engine pool (resolved here, outside any running loop)."""
+    pool: EnginePool = request.getfixturevalue(engine_case.pool_fixture)
+    return pool
 
 
 # Session loop: pooled vLLM engines are bound to the loop that first used them.
 @pytest_asyncio.fixture(loop_scope="session")
-async def engines(engine_case: EngineCase, engine_pool: Any) -> AsyncIterator[_EngineFactory]:
-    factory = _EngineFactory(engine_case, engine_pool)
-    yield factory
-    await factory.close_all()
+async def engines(engine_pool: EnginePool) -> Callable[..., Awaitable[Engine]]:
+    """`await engines(model_dir, weight_version=0)`: an idle engine on those weights."""
+
+    async def get(model_dir: Path, *, weight_version: int = 0) -> Engine:
+        engine: Engine = await engine_pool.get(model_dir, weight_version)
+        return engine
+
+    return get
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def engine(engines: _EngineFactory, model_dir: Path) -> Engine:
+async def engine(engines: Callable[..., Awaitable[Engine]], model_dir: Path) -> Engine:
     return await engines(model_dir)
 
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from statemachine.request import SamplingParams
+from tests.engine_pool import EnginePool
 from workers.engines.base import EngineRequest, expert_dtype
 from workers.engines.cpu import CpuEngine
 from workers.engines.stream import Generation, collect_request
@@ -17,10 +18,9 @@ from workers.tiny_model import NUM_EXPERTS, NUM_LAYERS, TOP_K
 
 
 @pytest.fixture
-async def moe_engine(tiny_moe_dir: Path):
-    engine = CpuEngine(tiny_moe_dir)
-    yield engine
-    await engine.close()
+async def moe_engine(cpu_pool: EnginePool, tiny_moe_dir: Path) -> CpuEngine:
+    engine: CpuEngine = await cpu_pool.get(tiny_moe_dir)
+    return engine
 
 
 def hf_routing(model_dir: Path, ids: list[int]) -> np.ndarray:

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from statemachine import Aborted, Event, Failed, Finished, Resumed, SamplingParams, Started
+from tests.engine_pool import EnginePool
 from workers.engines.base import EngineRequest
-from workers.engines.cpu import CpuEngine
 from workers.worker_main import command
 
 
@@ -71,24 +71,23 @@ def max_overlap(intervals: list[tuple]) -> int:
     return peak
 
 
-async def direct_greedy(model: Path, prompts: list[tuple[int, ...]], sampling) -> list:  # type: ignore[no-untyped-def]
+async def direct_greedy(
+    pool: EnginePool, model: Path, prompts: list[tuple[int, ...]], sampling: SamplingParams
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """What the same engine generates for each prompt, uninterrupted and alone."""
-    engine = CpuEngine(model)
-    try:
-        out = []
-        for i, prompt in enumerate(prompts):
-            chunks = [
-                c
-                async for c in engine.generate(
-                    EngineRequest(request_id=f"ref{i}", prompt_token_ids=prompt, sampling=sampling)
-                )
-            ]
-            out.append(
-                (
-                    np.concatenate([c.token_ids for c in chunks]),
-                    np.concatenate([c.logprobs for c in chunks]),
-                )
+    engine = await pool.get(model)
+    out = []
+    for i, prompt in enumerate(prompts):
+        chunks = [
+            c
+            async for c in engine.generate(
+                EngineRequest(request_id=f"ref{i}", prompt_token_ids=prompt, sampling=sampling)
             )
-        return out
-    finally:
-        await engine.close()
+        ]
+        out.append(
+            (
+                np.concatenate([c.token_ids for c in chunks]),
+                np.concatenate([c.logprobs for c in chunks]),
+            )
+        )
+    return out

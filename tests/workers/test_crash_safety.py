@@ -24,6 +24,7 @@ from statemachine import (
 from store.client import RolloutClient
 from store.queue import enqueue_rollouts, rollout_queue
 from store.server import RedisServer
+from tests.engine_pool import EnginePool
 from tests.workers.helpers import direct_greedy, greedy, random_prompts, start_worker, stop
 
 pytestmark = pytest.mark.redis_server
@@ -48,7 +49,7 @@ async def until(cond, timeout: float = 120) -> None:  # type: ignore[no-untyped-
 
 
 async def test_kill_9_mid_generation_resumes_elsewhere(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     prompt, n = prompts(1)[0], 96
@@ -64,7 +65,7 @@ async def test_kill_9_mid_generation_resumes_elsewhere(
         [result] = await client.wait([rid], timeout=180)
     finally:
         stop(a, *(p for p in [b] if p))
-    [(ref, _)] = await direct_greedy(tiny_dense_dir, [prompt], greedy(n))
+    [(ref, _)] = await direct_greedy(cpu_pool, tiny_dense_dir, [prompt], greedy(n))
     np.testing.assert_array_equal(result.response_token_ids, ref)
     events = await client.store.events(rid)
     lost = [e for e in events if isinstance(e, Aborted)]
@@ -83,7 +84,7 @@ async def _at_least(client: RolloutClient, rid: str, n: int) -> bool:
 
 
 async def test_stalled_worker_is_fenced_out_and_carries_on(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(2, seed=1)
@@ -116,7 +117,7 @@ async def test_stalled_worker_is_fenced_out_and_carries_on(
         assert a.poll() is None
     finally:
         stop(a, *(p for p in [b] if p))
-    [(ref, _)] = await direct_greedy(tiny_dense_dir, [ps[0]], greedy(96))
+    [(ref, _)] = await direct_greedy(cpu_pool, tiny_dense_dir, [ps[0]], greedy(96))
     np.testing.assert_array_equal(result.response_token_ids, ref)
     state = await client.store.load(rid)
     assert state == await client.store.replay(rid)
@@ -133,7 +134,7 @@ async def _attempt_at_least(client: RolloutClient, rid: str, n: int) -> bool:
 
 
 async def test_duplicate_job_runs_are_exactly_once(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(3, seed=2)
@@ -153,7 +154,7 @@ async def test_duplicate_job_runs_are_exactly_once(
         await until(lambda: _queue_empty(queue), timeout=60)
     finally:
         stop(*workers)
-    reference = await direct_greedy(tiny_dense_dir, ps, greedy(48))
+    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(48))
     for rid, r, (ref, _) in zip(ids, results, reference, strict=True):
         np.testing.assert_array_equal(r.response_token_ids, ref)
         events = await client.store.events(rid)
@@ -167,7 +168,7 @@ async def _queue_empty(queue) -> bool:  # type: ignore[no-untyped-def]
 
 
 async def test_redis_restart_while_generating(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(6, seed=3)
@@ -184,14 +185,16 @@ async def test_redis_restart_while_generating(
         results = await client.wait(ids, timeout=240)
     finally:
         stop(*workers)
-    reference = await direct_greedy(tiny_dense_dir, ps, greedy(64))
+    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(64))
     for rid, r, (ref, _) in zip(ids, results, reference, strict=True):
         assert r.status is Status.DONE
         np.testing.assert_array_equal(r.response_token_ids, ref)
         assert await client.store.load(rid) == await client.store.replay(rid)
 
 
-async def test_bounded_chaos(server: RedisServer, tiny_dense_dir: Path, tmp_path: Path) -> None:
+async def test_bounded_chaos(
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
     """Workers killed at random, Redis restarted, one weight update; about a minute.
 
     Every chaos step happens whatever the progress (rollouts are long enough to be in flight
@@ -232,7 +235,7 @@ async def test_bounded_chaos(server: RedisServer, tiny_dense_dir: Path, tmp_path
         results = await client.wait(ids, timeout=240)
     finally:
         stop(*workers)
-    reference = await direct_greedy(tiny_dense_dir, ps, greedy(n))
+    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(n))
     for rid, r, (ref, _) in zip(ids, results, reference, strict=True):
         assert r.status is Status.DONE
         np.testing.assert_array_equal(r.response_token_ids, ref)
@@ -248,7 +251,7 @@ async def test_bounded_chaos(server: RedisServer, tiny_dense_dir: Path, tmp_path
 
 
 async def test_sigterm_saves_progress_and_exits_promptly(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(2, seed=5)
@@ -272,6 +275,50 @@ async def test_sigterm_saves_progress_and_exits_promptly(
     finally:
         stop(a, *(p for p in [b] if p))
     assert exit_s < 10
-    reference = await direct_greedy(tiny_dense_dir, ps, greedy(1500))
+    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(1500))
     for r, (ref, _) in zip(results, reference, strict=True):
         np.testing.assert_array_equal(r.response_token_ids, ref)
+
+
+def engine_core_pid(worker_pid: int) -> int:
+    """The CPU engine's core process under a worker (its only child)."""
+    with open(f"/proc/{worker_pid}/task/{worker_pid}/children") as f:
+        [pid] = f.read().split()
+    return int(pid)
+
+
+async def test_engine_death_stops_the_worker_and_charges_no_attempt(
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    """kill -9 of a worker's engine core: its rollouts are saved and resume elsewhere."""
+    client = RolloutClient(server.url)
+    ps = prompts(2, seed=7)
+    n = 200
+    ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(n)) for p in ps])
+    log = tmp_path / "a.log"
+    # One attempt allowed: an engine death must not count as the rollout's failure.
+    a = start_worker(
+        server.url, tiny_dense_dir, "a", log, *FAST, "--max-engine-attempts", "1", concurrency=2
+    )
+    b = None
+    try:
+        await until(lambda: _at_least(client, ids[0], 2 * K))
+        await until(lambda: _at_least(client, ids[1], K))
+        os.kill(engine_core_pid(a.pid), signal.SIGKILL)
+        assert a.wait(30) == 1  # a supervisor restarts it with a new engine
+        states = [await client.store.load(rid) for rid in ids]
+        assert [s.status for s in states] == [Status.ABORTED] * 2
+        assert all(s.abort_reason is AbortReason.ENGINE_ERROR for s in states)
+        assert all(s.num_tokens >= K for s in states)
+        b = start_worker(server.url, tiny_dense_dir, "b", tmp_path / "b.log", *FAST)
+        results = await client.wait(ids, timeout=180)
+    finally:
+        stop(a, *(p for p in [b] if p))
+    assert '"engine_dead": "EngineDead:' in log.read_text()
+    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(n))
+    for r, (ref, _) in zip(results, reference, strict=True):
+        assert r.status is Status.DONE
+        np.testing.assert_array_equal(r.response_token_ids, ref)
+    for rid in ids:
+        aborts = [e for e in await client.store.events(rid) if isinstance(e, Aborted)]
+        assert [e.detail.split(":")[0] for e in aborts] == ["EngineDead"]

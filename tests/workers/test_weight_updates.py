@@ -19,6 +19,7 @@ from statemachine import (
 )
 from store.client import RolloutClient
 from store.server import RedisServer
+from tests.engine_pool import EnginePool
 from tests.workers.helpers import direct_greedy, greedy, random_prompts, start_worker, stop
 from workers.tiny_model import make_tiny_checkpoint
 
@@ -37,7 +38,7 @@ async def wait_tokens(client: RolloutClient, rid: str, at_least: int, timeout: f
 
 
 async def test_republishing_the_same_weights_changes_no_token(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(8)
@@ -55,7 +56,7 @@ async def test_republishing_the_same_weights_changes_no_token(
         results = await client.wait(ids, timeout=240)
     finally:
         stop(*workers)
-    reference = await direct_greedy(tiny_dense_dir, ps, greedy(n))
+    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(n))
     update_aborts = 0
     for rid, r, (ref_ids, ref_lp) in zip(ids, results, reference, strict=True):
         assert r.status is Status.DONE
@@ -70,7 +71,7 @@ async def test_republishing_the_same_weights_changes_no_token(
 
 
 async def test_a_real_update_mid_flight_switches_exactly(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
 ) -> None:
     other = make_tiny_checkpoint(tmp_path / "v1", like=tiny_dense_dir, seed=1)
     client = RolloutClient(server.url)
@@ -96,9 +97,9 @@ async def test_a_real_update_mid_flight_switches_exactly(
     assert 8 <= k < n and len(ids) == n
     # Versions mark the switch exactly: one run of v0, then one run of v1.
     assert result.version_segments == [(0, 0, k), (1, k, n)]
-    [(old, _)] = await direct_greedy(tiny_dense_dir, [prompt], greedy(n))
+    [(old, _)] = await direct_greedy(cpu_pool, tiny_dense_dir, [prompt], greedy(n))
     np.testing.assert_array_equal(ids[:k], old[:k])  # before: the old model's greedy output
-    [(new, _)] = await direct_greedy(other, [(*prompt, *ids[:k].tolist())], greedy(n - k))
+    [(new, _)] = await direct_greedy(cpu_pool, other, [(*prompt, *ids[:k].tolist())], greedy(n - k))
     np.testing.assert_array_equal(ids[k:], new)  # after: the new model's continuation
     assert not np.array_equal(ids[k:], old[k:])  # and the new weights really are different
     events = await client.store.events(rid)
@@ -142,7 +143,7 @@ async def test_64_rollouts_through_5_updates_lose_and_duplicate_nothing(
 
 @pytest.mark.parametrize("mode", ["drain", "keep"])
 async def test_drain_and_keep_modes(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path, mode: str
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path, mode: str
 ) -> None:
     other = make_tiny_checkpoint(tmp_path / "v1", like=tiny_dense_dir, seed=1)
     client = RolloutClient(server.url)
@@ -172,7 +173,7 @@ async def test_drain_and_keep_modes(
     assert not any(isinstance(e, Aborted) for e in events)  # neither mode aborts
     assert events[1].weight_mode == mode  # the deployment's mode is in the log
     ids, versions = result.response_token_ids, result.weight_versions
-    [(old, _)] = await direct_greedy(tiny_dense_dir, [prompt], greedy(n))
+    [(old, _)] = await direct_greedy(cpu_pool, tiny_dense_dir, [prompt], greedy(n))
     if mode == "drain":
         # In-flight work finished on the old weights; the switch waited for it.
         assert result.version_segments == [(0, 0, n)]
@@ -182,6 +183,8 @@ async def test_drain_and_keep_modes(
         k = int((versions == 0).sum())
         assert 8 <= k < n and result.version_segments == [(0, 0, k), (1, k, n)]
         np.testing.assert_array_equal(ids[:k], old[:k])
-        [(new, _)] = await direct_greedy(other, [(*prompt, *ids[:k].tolist())], greedy(n - k))
+        [(new, _)] = await direct_greedy(
+            cpu_pool, other, [(*prompt, *ids[:k].tolist())], greedy(n - k)
+        )
         np.testing.assert_array_equal(ids[k:], new)
     assert (late_result.weight_versions == 1).all()

@@ -18,6 +18,7 @@ from statemachine import RolloutRequest, SamplingParams, Status
 from store.client import RolloutClient
 from store.queue import enqueue_rollouts, rollout_queue
 from store.server import RedisServer
+from tests.engine_pool import EnginePool
 from tests.engines.test_cpu_moe import hf_routing
 from tests.workers.helpers import (
     attempt_intervals,
@@ -37,7 +38,7 @@ def prompts(n: int) -> list[tuple[int, ...]]:
 
 
 async def test_two_workers_two_slots_six_rollouts(
-    server: RedisServer, tiny_moe_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, tiny_moe_dir: Path, tmp_path: Path
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -74,7 +75,7 @@ async def test_two_workers_two_slots_six_rollouts(
     assert all(max_overlap(iv) <= 2 for iv in per_worker.values())
 
     # Greedy results equal the same engine's direct generation, token for token.
-    reference = await direct_greedy(tiny_moe_dir, ps, GREEDY)
+    reference = await direct_greedy(cpu_pool, tiny_moe_dir, ps, GREEDY)
     for prompt, r, (ref_ids, ref_lp) in zip(ps, results, reference, strict=True):
         assert r.status is Status.DONE and r.finish_reason == "length"
         np.testing.assert_array_equal(r.response_token_ids, ref_ids)

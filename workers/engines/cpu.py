@@ -1,31 +1,25 @@
 """A CPU engine on transformers + torch, for tests, demos and the tiny models.
 
-One background thread owns the model and runs a decode loop over every request in flight,
-one decode step per request per round (round-robin interleaving, each request with its own
-KV cache). The asyncio side only queues work and receives chunks, so the event loop stays
-responsive while the model computes.
-
-Why interleaving and not padded batched decoding: interleaved steps are exactly the
-computation a request would get alone, so "same greedy tokens and bit-identical logprobs
-whatever else is in flight" holds by construction; a padded batch changes the matmul shapes
-and the attention mask, hence the float rounding. What that costs, measured on this 2-core
-machine (shared, so +-30% run to run) with the tiny MoE model, transformers 5.24, torch 2.13:
-raw one-token forwards give 320-540 tok/s for one sequence and 1100-1980 tok/s for a batch of
-4 (3.5-4.8x, Python overhead dominates at this size); this engine gives 210-360 tok/s with 1
-request in flight and 280-320 tok/s with 4 (interleaving keeps the total constant). The
-engine is a correctness reference and a test double; vLLM batches for real.
+`CpuEngine` is the front end that lives in the worker's process; the model and its decode
+loop (`cpu_core.EngineCore`) run in a child process (`cpu_proc`), as vLLM's AsyncLLM runs
+its engine core. The worker's event loop, which records progress in Redis, therefore never
+competes with the decode loop for the GIL (measured in-process: durable/direct 0.92 on
+bench/bench_overhead.py; the reason is in `cpu_proc`). The two talk over a pair of pipes in
+framed msgpack (`cpu_wire`): requests go in by serial number, each decode round comes back
+as one frame, and one reader thread here hands every chunk to the event loop that asked for
+it, so an engine may be used from several loops.
 
 Chunking: one chunk per sampled token (per decode step), carrying the weight version that
 sampled it.
 
 Abort: `abort` marks the stream aborted on the event loop at once (anything already queued
-for it is dropped and its iterator raises RequestAborted); the decode thread forgets the
-request at its next round, at most one decode step per other request later.
+for it is dropped and its iterator raises RequestAborted) and tells the core, which forgets
+the request before its next round.
 
-Weight updates: `load_weights` is applied by the decode thread between two rounds (a safe
-point: no forward is running). Every in-flight request's KV cache, computed under the old
-weights, is then dropped and recomputed from prompt + tokens generated so far on the new
-weights before its next token is sampled; tokens after the swap carry the new version.
+Failures: an error of one request (a failed forward) ends that stream with EngineError and
+nothing else. If the core process dies, every stream and load in flight and every later call
+raise `EngineDead`: the worker then stops, saving what it has, so its rollouts resume on
+another worker instead of using up their attempts here.
 """
 
 from __future__ import annotations
@@ -33,51 +27,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
-import secrets
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from statemachine.codec import unpack_array
+from statemachine.states import FinishReason
 from workers.engines.base import Chunk, EngineRequest
-from workers.engines.cpu_model import CpuModel
-from workers.engines.sampling import banned_tokens, sample, step_seed
-from workers.engines.stopping import StopChecker
-from workers.errors import EngineClosed, EngineError, RequestAborted, WorkerError
+from workers.engines.cpu_wire import FrameReader, write_frame
+from workers.errors import (
+    EngineClosed,
+    EngineDead,
+    EngineError,
+    RequestAborted,
+    WeightLoadError,
+)
 
-# Prompt tokens fed per request per round: bounds how long one new request's prefill delays
-# the others' decode steps, an abort, or a weight load (~2.5 ms per token on the tiny MoE).
-PREFILL_TOKENS_PER_ROUND = 64
+log = logging.getLogger(__name__)
 
-Deliver = Callable[[Any], None]
+# Importing torch and transformers and loading a model takes 5-10 s on a small machine; a
+# core that has not said "ready" long after that is stuck.
+START_TIMEOUT_S = 300.0
+# How long close() waits for the core to exit on its own before killing it.
+CLOSE_TIMEOUT_S = 10.0
 
+_ERRORS: dict[str, type[EngineError]] = {
+    "EngineError": EngineError,
+    "EngineClosed": EngineClosed,
+    "WeightLoadError": WeightLoadError,
+}
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
-@dataclass(eq=False)
-class _Seq:
-    """Decode-thread state of one request."""
-
-    serial: int
-    request: EngineRequest
-    deliver: Deliver
-    stop: StopChecker
-    base_seed: int
-    tokens: list[int]
-    n_prompt: int
-    cache: Any = None
-    n_cached: int = 0
-    generator: torch.Generator = field(default_factory=torch.Generator)
-
-
-@dataclass(eq=False)
-class _Load:
-    source: str
-    version: int
-    deliver: Deliver
+Post = Callable[..., None]
 
 
 @dataclass(eq=False)
@@ -89,6 +79,15 @@ class _Stream:
     aborted: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """What the core reported when asked: its pid, requests it holds, and its weights."""
+
+    pid: int
+    requests_in_flight: int
+    weight_version: int
+
+
 _END = object()  # queued to wake a consumer whose request was aborted
 
 
@@ -98,22 +97,37 @@ class CpuEngine:
     def __init__(
         self, model_dir: str | Path, *, weight_version: int = 0, threads: int | None = None
     ) -> None:
-        # torch's intra-op pool spins on every core it owns; sharing those cores with the
-        # worker's event loop and Redis client made every decode step wait on a descheduled
-        # thread (measured: durable/direct fell to ~0.7 with all cores, bench_overhead.py).
-        # Leave one core to the rest of the process by default.
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
-        self._model = CpuModel(model_dir)
+        # torch's intra-op pool spins on every core it owns; leave one to the worker's event
+        # loop and Redis (measured: with all cores, durable/direct fell to ~0.7).
+        threads = threads or max(1, (os.cpu_count() or 2) - 1)
+        self._source = str(model_dir)
         self._weight_version = weight_version
         self._serials = itertools.count()
-        self._streams: dict[str, _Stream] = {}
-        self._cond = threading.Condition()
-        self._new: list[_Seq] = []  # guarded by _cond
-        self._loads: list[_Load] = []  # guarded by _cond
-        self._aborts: set[int] = set()  # serials; guarded by _cond
+        self._tokens = itertools.count()
+        self._streams: dict[str, _Stream] = {}  # event-loop side, by request id
+        self._lock = threading.Lock()
+        # Guarded by _lock: where the reader thread sends each serial's chunks and each
+        # token's reply, and the error every later call gets once the core is gone.
+        self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Any]] = {}
+        self._gone: EngineError | None = None
+        self._write_lock = threading.Lock()
         self._closing = False
-        self._active: list[_Seq] = []  # decode thread only
-        self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
+        self._proc, self._to_core, self._from_core = _spawn(model_dir, weight_version, threads)
+        reader = FrameReader(self._from_core)
+        try:
+            info = self._handshake(reader, model_dir)
+        except BaseException:
+            self._kill()
+            self._close_fds()
+            raise
+        self.pid: int = info["pid"]
+        self._vocab_size: int = info["vocab_size"]
+        self._max_positions: int = info["max_positions"]
+        self._tokenizer: Any = None
+        self._thread = threading.Thread(
+            target=self._read_loop, args=(reader,), name="cpu-engine-reader", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -121,23 +135,39 @@ class CpuEngine:
         return self._weight_version
 
     @property
-    def tokenizer(self) -> Any:
-        return self._model.tokenizer
+    def source(self) -> str:
+        """The checkpoint directory the weights were last loaded from."""
+        return self._source
 
-    # ---- event-loop side -------------------------------------------------------------
+    @property
+    def in_flight(self) -> list[str]:
+        """Ids of the requests currently streaming."""
+        return list(self._streams)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer  # noqa: PLC0415  (slow import; tests only)
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._source, local_files_only=True)
+        return self._tokenizer
+
+    # ---- the Engine protocol ---------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         self._check_request(request)
         loop = asyncio.get_running_loop()
         stream = _Stream(serial=next(self._serials), queue=asyncio.Queue())
         self._streams[request.request_id] = stream
-
-        def deliver(item: Any) -> None:
-            _post(loop, stream.queue.put_nowait, item)
-
-        self._submit(self._new_seq(stream.serial, request, deliver))
         finished = False
         try:
+            with self._lock:
+                self._raise_if_gone()  # under the lock: the reader's last sweep sees this sink
+                self._sinks[stream.serial] = (loop, stream.queue)
+            self._send(
+                ["add", stream.serial, list(request.prompt_token_ids),
+                 request.sampling.to_dict(), request.resumed_tokens]
+            )  # fmt: skip
             while True:
                 item = await stream.queue.get()
                 if stream.aborted:
@@ -154,7 +184,7 @@ class CpuEngine:
             if self._streams.get(request.request_id) is stream:
                 del self._streams[request.request_id]
             if not finished:
-                # Aborted, or the consumer stopped iterating: free the decode slot.
+                # Aborted, or the consumer stopped iterating: free the core's slot.
                 self._abort_serial(stream.serial)
 
     async def abort(self, request_id: str) -> None:
@@ -166,178 +196,252 @@ class CpuEngine:
         self._abort_serial(stream.serial)
 
     async def load_weights(self, source: str, version: int) -> None:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
+        await self._ask(["load", None, str(source), version], (str(source), version))
 
-        def deliver(result: Any) -> None:
-            _post(loop, _settle, done, result)
-
-        with self._cond:
-            if self._closing:
-                raise EngineClosed("engine is closed")
-            self._loads.append(_Load(source=str(source), version=version, deliver=deliver))
-            self._cond.notify()
-        await done
+    async def health(self) -> EngineHealth:
+        """Ask the core how it is; raises EngineDead/EngineClosed if it is not there."""
+        requests, version = await self._ask(["health", None])
+        return EngineHealth(pid=self.pid, requests_in_flight=requests, weight_version=version)
 
     async def close(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        await asyncio.to_thread(self._thread.join)
+        if self._closing:
+            await asyncio.to_thread(self._thread.join)
+            return
+        self._closing = True
+        with contextlib.suppress(EngineError):
+            self._send(["close"])  # the core answers what it holds with EngineClosed, exits
+        await asyncio.to_thread(self._reap)
 
-    # ---- helpers shared by both sides ------------------------------------------------
+    # ---- front-end helpers -----------------------------------------------------------
 
     def _check_request(self, request: EngineRequest) -> None:
-        if self._closing:
-            raise EngineClosed("engine is closed")
+        self._raise_if_gone()
         if request.request_id in self._streams:
             raise EngineError(f"request id {request.request_id!r} is already in flight")
         ids = request.prompt_token_ids
         if not ids:
             raise EngineError("prompt_token_ids must not be empty")
-        bad = [t for t in ids if not 0 <= t < self._model.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self._vocab_size]
         if bad:
             raise EngineError(
-                f"prompt token ids outside the vocabulary (size {self._model.vocab_size}): "
-                f"{bad[:5]}"
+                f"prompt token ids outside the vocabulary (size {self._vocab_size}): {bad[:5]}"
             )
-        if len(ids) >= self._model.max_positions:
+        if len(ids) >= self._max_positions:
             raise EngineError(
                 f"prompt of {len(ids)} tokens leaves no room within "
-                f"max_position_embeddings={self._model.max_positions}"
+                f"max_position_embeddings={self._max_positions}"
             )
 
-    def _new_seq(self, serial: int, request: EngineRequest, deliver: Deliver) -> _Seq:
-        sampling = request.sampling
-        stop = StopChecker(
-            sampling,
-            eos_token_ids=self._model.eos_token_ids,
-            decode=self._model.decode,
-            max_total_tokens=self._model.max_positions,
-            prior=request.prompt_token_ids[len(request.prompt_token_ids) - request.resumed_tokens :]
-            if request.resumed_tokens
-            else (),
-        )
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
-        tokens = list(request.prompt_token_ids)
-        return _Seq(serial, request, deliver, stop, seed, tokens, n_prompt=len(tokens))
+    def _raise_if_gone(self) -> None:
+        if self._closing:
+            raise EngineClosed("engine is closed")
+        if self._gone is not None:
+            raise _fresh(self._gone)
 
-    def _submit(self, seq: _Seq) -> None:
-        with self._cond:
-            self._new.append(seq)
-            self._cond.notify()
+    def _send(self, message: list[Any]) -> None:
+        try:
+            with self._write_lock:
+                write_frame(self._to_core, [message])
+        except OSError as exc:  # EPIPE/EBADF: the core is gone; the reader reports how
+            self._raise_if_gone()
+            raise EngineDead(f"the CPU engine process is gone: {exc}") from exc
 
     def _abort_serial(self, serial: int) -> None:
-        with self._cond:
-            self._aborts.add(serial)
-            self._cond.notify()
+        with self._lock:
+            known = self._sinks.pop(serial, None) is not None
+        if known:
+            with contextlib.suppress(EngineError):
+                self._send(["abort", serial])
 
-    # ---- decode thread ---------------------------------------------------------------
-
-    def _run(self) -> None:
-        with torch.inference_mode():
-            while self._round():
-                pass
-        for seq in self._active:
-            seq.deliver(EngineClosed("engine closed while the request was in flight"))
-        for load in self._loads:
-            load.deliver(EngineClosed("engine closed before the weights were loaded"))
-
-    def _round(self) -> bool:
-        """One scheduling round: take new work, apply aborts and loads, step each request."""
-        with self._cond:
-            while not (self._new or self._aborts or self._loads or self._active or self._closing):
-                self._cond.wait()
-            if self._closing:
-                self._active.extend(self._new)
-                self._new.clear()
-                return False
-            self._active.extend(self._new)
-            self._new.clear()
-            aborts, self._aborts = self._aborts, set()
-            loads, self._loads = self._loads, []
-        self._active = [s for s in self._active if s.serial not in aborts]
-        for load in loads:
-            self._apply_load(load)
-        for seq in list(self._active):
-            if seq.serial in self._aborts:
-                continue  # aborted during this round; removed at the next one
-            try:
-                done = self._step(seq)
-            except Exception as exc:
-                # One request's failure (e.g. a forward error) must not stop the others.
-                seq.deliver(EngineError(f"{type(exc).__name__}: {exc}"))
-                done = True
-            if done:
-                self._active.remove(seq)
-        return True
-
-    def _apply_load(self, load: _Load) -> None:
+    async def _ask(self, message: list[Any], context: Any = None) -> Any:
+        """Send a message that the core answers once (by token); return the answer."""
+        self._raise_if_gone()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        token = next(self._tokens)
+        message[1] = token
+        with self._lock:
+            self._raise_if_gone()
+            self._replies[token] = (loop, future, context)
         try:
-            self._model.swap_weights(load.source)
-        except WorkerError as exc:
-            # A bad checkpoint fails only the load call; old weights and version stay.
-            load.deliver(exc)
-            return
-        self._weight_version = load.version
-        for seq in self._active:
-            # KV computed under the old weights is stale: recompute from scratch.
-            seq.cache = None
-            seq.n_cached = 0
-        load.deliver(None)
+            self._send(message)
+            return await future
+        finally:
+            with self._lock:
+                self._replies.pop(token, None)
 
-    def _step(self, seq: _Seq) -> bool:
-        """Advance one request by one token (or by a slice of its prefill); True when done."""
-        model = self._model
-        if seq.cache is None:
-            seq.cache = model.new_cache()
-        last = len(seq.tokens) - 1
-        budget = PREFILL_TOKENS_PER_ROUND
-        while seq.n_cached < last and budget > 0:
-            model.forward(seq.tokens[seq.n_cached], seq.cache)
-            seq.n_cached += 1
-            budget -= 1
-        if seq.n_cached < last:
-            return False
-        logits, routing = model.forward(seq.tokens[last], seq.cache)
-        seq.n_cached += 1
-        generated = seq.tokens[seq.n_prompt :]
-        params = seq.request.sampling
-        seq.generator.manual_seed(step_seed(seq.base_seed, len(seq.tokens)))
-        token, logprob = sample(
-            logits,
-            params,
-            banned=banned_tokens(
-                params, n_generated=len(generated), eos_token_ids=model.eos_token_ids
-            ),
-            generator=seq.generator,
-        )
-        seq.tokens.append(token)
-        finish, stop_reason = seq.stop.check(seq.tokens[seq.n_prompt :], len(seq.tokens))
-        seq.deliver(
-            Chunk(
-                token_ids=np.array([token], dtype=np.int32),
-                logprobs=np.array([logprob], dtype=np.float32),
-                routed_experts=None if routing is None else routing[np.newaxis],
-                finish_reason=finish,
-                stop_reason=stop_reason,
-                weight_version=self._weight_version,
-            )
-        )
-        return finish is not None
+    def _handshake(self, reader: FrameReader, model_dir: str | Path) -> dict[str, Any]:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                messages = reader.read(0.5)
+            except EOFError:
+                messages = []
+            if messages:
+                kind, *rest = messages[0]
+                if kind == "ready":
+                    return dict(rest[0])
+                kind, text = rest
+                raise EngineError(f"cannot start the CPU engine on {model_dir!s}: {kind}: {text}")
+            code = self._proc.poll()
+            if code is not None:
+                raise EngineError(
+                    f"the CPU engine process for {model_dir!s} exited with code {code} "
+                    "before it was ready (its stderr says why)"
+                )
+        raise EngineError(f"the CPU engine for {model_dir!s} was not ready in {START_TIMEOUT_S}s")
+
+    # ---- reader thread ---------------------------------------------------------------
+
+    def _read_loop(self, reader: FrameReader) -> None:
+        try:
+            while True:
+                self._dispatch(reader.read(None))
+        except EOFError:
+            pass
+        except Exception:
+            log.exception("CPU engine: unreadable output from the core; dropping it")
+        code = self._proc.wait()
+        if self._closing:
+            gone: EngineError = EngineClosed("engine closed while the request was in flight")
+        else:
+            gone = EngineDead(f"the CPU engine process (pid {self.pid}) died, exit code {code}")
+            log.error("%s", gone)
+        with self._lock:
+            self._gone = gone
+            sinks, self._sinks = self._sinks, {}
+            replies, self._replies = self._replies, {}
+        posts: dict[asyncio.AbstractEventLoop, list[tuple[Post, Any]]] = {}
+        for loop, queue in sinks.values():
+            posts.setdefault(loop, []).append((queue.put_nowait, _fresh(gone)))
+        for loop, future, _ in replies.values():
+            posts.setdefault(loop, []).append((_settler(future), _fresh(gone)))
+        _post_all(posts)
+
+    def _dispatch(self, messages: list[Any]) -> None:
+        posts: dict[asyncio.AbstractEventLoop, list[tuple[Post, Any]]] = {}
+        with self._lock:
+            for message in messages:
+                kind = message[0]
+                if kind == "chunk":
+                    _, serial, token, logprob, routes, finish, stop_reason, version = message
+                    sink = self._sinks.get(serial)
+                    if sink is None:
+                        continue  # aborted: late output is dropped
+                    if finish is not None:
+                        del self._sinks[serial]
+                    chunk = Chunk(
+                        token_ids=np.array([token], dtype=np.int32),
+                        logprobs=np.array([logprob], dtype=np.float32),
+                        routed_experts=None if routes is None else unpack_array(routes),
+                        finish_reason=None if finish is None else FinishReason(finish),
+                        stop_reason=stop_reason,
+                        weight_version=version,
+                    )
+                    posts.setdefault(sink[0], []).append((sink[1].put_nowait, chunk))
+                elif kind == "error":
+                    _, serial, error, text = message
+                    sink = self._sinks.pop(serial, None)
+                    if sink is not None:
+                        exc = _ERRORS.get(error, EngineError)(text)
+                        posts.setdefault(sink[0], []).append((sink[1].put_nowait, exc))
+                elif kind in ("loaded", "health"):
+                    reply = self._replies.pop(message[1], None)
+                    if reply is not None:
+                        loop, future, context = reply
+                        posts.setdefault(loop, []).append(
+                            (_settler(future), self._answer(message, context))
+                        )
+                else:
+                    log.warning("CPU engine: unknown message %r from the core", kind)
+        _post_all(posts)
+
+    def _answer(self, message: list[Any], context: Any) -> Any:
+        if message[0] == "health":
+            return message[2], message[3]
+        _, _, error, text = message
+        if error is not None:
+            return _ERRORS.get(error, WeightLoadError)(text)
+        # The load is complete: from now on this engine reports the new weights.
+        self._source, self._weight_version = context
+        return None
+
+    # ---- process ---------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        try:
+            self._proc.wait(CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("CPU engine process %d did not exit; killing it", self._proc.pid)
+            self._kill()
+        self._thread.join()
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in (self._to_core, self._from_core):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self._proc.kill()
+        self._proc.wait()
 
 
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    """Run `fn(*args)` on `loop` from the decode thread."""
-    # RuntimeError: the loop is closed, so whoever waited on this output is gone.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(fn, *args)
+def _spawn(
+    model_dir: str | Path, weight_version: int, threads: int
+) -> tuple[subprocess.Popen[bytes], int, int]:
+    """Start the core process; return it and this side's ends of its two pipes."""
+    to_core_r, to_core_w = os.pipe()
+    from_core_r, from_core_w = os.pipe()
+    env = dict(os.environ)
+    # The core imports this package: make that work from a source checkout as well.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.engines.cpu_proc", "--model", str(model_dir),
+             "--weight-version", str(weight_version), "--threads", str(threads),
+             "--in-fd", str(to_core_r), "--out-fd", str(from_core_w)],
+            pass_fds=(to_core_r, from_core_w),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )  # fmt: skip
+    except BaseException:
+        for fd in (to_core_r, to_core_w, from_core_r, from_core_w):
+            os.close(fd)
+        raise
+    # Only the child holds these now: its exit closes them, which is how each side notices
+    # the other is gone (EOF, EPIPE).
+    os.close(to_core_r)
+    os.close(from_core_w)
+    return proc, to_core_w, from_core_r
 
 
-def _settle(future: asyncio.Future[None], result: Any) -> None:
-    if future.done():
-        return  # the awaiting task was cancelled; nobody wants the outcome
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(None)
+def _fresh(error: EngineError) -> EngineError:
+    """A new exception like `error`: one instance raised in many places grows one traceback."""
+    return type(error)(str(error))
+
+
+def _settler(future: asyncio.Future[Any]) -> Post:
+    def settle(result: Any) -> None:
+        if future.done():
+            return  # the awaiting task was cancelled; nobody wants the outcome
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    return settle
+
+
+def _post_all(posts: dict[asyncio.AbstractEventLoop, list[tuple[Post, Any]]]) -> None:
+    """Run each loop's callbacks on that loop, with one wake-up per loop."""
+    for loop, calls in posts.items():
+        # RuntimeError: the loop is closed, so whoever waited on this output is gone.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_run_calls, calls)
+
+
+def _run_calls(calls: list[tuple[Post, Any]]) -> None:
+    for fn, arg in calls:
+        fn(arg)

@@ -1,7 +1,7 @@
 """The transformers model behind the CPU engine: loading, one-token forwards, routing, swaps.
 
-Only the CPU engine's decode thread calls into a `CpuModel` (torch modules are not safe to
-drive from two threads at once).
+Only the CPU engine's core (`cpu_core.EngineCore`, in a process of its own) calls into a
+`CpuModel` (torch modules are not safe to drive from two threads at once).
 
 Why every forward feeds exactly one token, prompt included: on CPU, a 20-token prefill and
 20 one-token decode steps give logits that differ by ~1e-5 (different matmul and attention

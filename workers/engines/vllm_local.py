@@ -47,7 +47,13 @@ from workers.engines.vllm_common import (
     read_config,
     stop_reason,
 )
-from workers.errors import EngineClosed, EngineError, RequestAborted, WeightLoadError
+from workers.errors import (
+    EngineClosed,
+    EngineDead,
+    EngineError,
+    RequestAborted,
+    WeightLoadError,
+)
 
 log = logging.getLogger("rollouts.vllm")
 
@@ -205,8 +211,9 @@ class VllmEngine:
                 params,
             )
         except Exception as exc:
-            # vLLM's validation errors (and a dead engine) surface as our EngineError.
-            raise EngineError(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
+            # vLLM's validation errors surface as our EngineError, a dead engine as EngineDead.
+            error = _error_type(exc)
+            raise error(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
         finally:
             self._submitting -= 1
 
@@ -383,7 +390,15 @@ async def _next_output(collector: Any) -> Any:
         return collector.get_nowait() or await collector.get()
     except Exception as exc:
         # EngineDeadError and request-level errors travel through the collector.
-        raise EngineError(f"vLLM failed the request: {type(exc).__name__}: {exc}") from exc
+        error = _error_type(exc)
+        raise error(f"vLLM failed the request: {type(exc).__name__}: {exc}") from exc
+
+
+def _error_type(exc: BaseException) -> type[EngineError]:
+    """EngineDead for vLLM's EngineDeadError (the worker must stop), else EngineError."""
+    from vllm.v1.engine.exceptions import EngineDeadError  # noqa: PLC0415
+
+    return EngineDead if isinstance(exc, EngineDeadError) else EngineError
 
 
 def sampled_logprobs(logprobs: Any, token_ids: Any) -> np.ndarray:
