@@ -66,13 +66,20 @@ async def test_two_vllm_workers_six_rollouts_aborted_twice(
     try:
         ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=GREEDY) for p in ps])
 
-        async def generating() -> bool:
-            # Live in an engine right now, with tokens already recorded.
+        async def generating(on: int) -> bool:
+            # Live in an engine right now, its latest tokens sampled on weights `on`: so the
+            # previous update is over on that worker (not just begun), and the next one has
+            # something to abort.
             states = [await client.store.load(rid) for rid in ids]
-            return any(s.status in LIVE and 0 < s.num_tokens < MAX_TOKENS for s in states)
+            return any(
+                s.status in LIVE
+                and 0 < s.num_tokens < MAX_TOKENS
+                and s.weight_versions[-1] == on
+                for s in states
+            )
 
         for version in (1, 2):  # republish the same weights: aborts, reload, resume
-            await until(generating, "no rollout was generating")
+            await until(lambda v=version: generating(v - 1), "no rollout was generating")
             await client.publish_weights(version, str(tiny_dense_dir))
             await until(
                 lambda v=version: _any_abort(client, ids, v), f"update {version} aborted nothing"
