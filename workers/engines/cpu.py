@@ -6,8 +6,9 @@ its engine core. The worker's event loop, which records progress in Redis, there
 competes with the decode loop for the GIL (measured in-process: durable/direct 0.92 on
 bench/bench_overhead.py; the reason is in `cpu_proc`). The two talk over a pair of pipes in
 framed msgpack (`cpu_wire`): requests go in by serial number, each decode round comes back
-as one frame, and one reader thread here hands every chunk to the event loop that asked for
-it, so an engine may be used from several loops.
+as one frame. Two threads here move the bytes, so the event loop never blocks on a pipe: a
+writer, and a reader that hands every chunk to the event loop that asked for it (an engine
+may be used from several loops).
 
 Chunking: one chunk per sampled token (per decode step), carrying the weight version that
 sampled it.
@@ -29,6 +30,7 @@ import contextlib
 import itertools
 import logging
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -111,7 +113,10 @@ class CpuEngine:
         self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Any]] = {}
         self._gone: EngineError | None = None
-        self._write_lock = threading.Lock()
+        # Messages for the core, written by a thread of their own: a write blocks while the
+        # pipe is full (a long prompt, the core busy with a weight load), and the event loop
+        # must not block with it.
+        self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
         self._closing = False
         self._proc, self._to_core, self._from_core = _spawn(model_dir, weight_version, threads)
         reader = FrameReader(self._from_core)
@@ -129,6 +134,9 @@ class CpuEngine:
             target=self._read_loop, args=(reader,), name="cpu-engine-reader", daemon=True
         )
         self._thread.start()
+        self._writer = threading.Thread(target=self._write_loop, name="cpu-engine-writer")
+        self._writer.daemon = True
+        self._writer.start()
 
     @property
     def weight_version(self) -> int:
@@ -208,8 +216,8 @@ class CpuEngine:
             await asyncio.to_thread(self._thread.join)
             return
         self._closing = True
-        with contextlib.suppress(EngineError):
-            self._send(["close"])  # the core answers what it holds with EngineClosed, exits
+        self._send(["close"])  # the core answers what it holds with EngineClosed, and exits
+        self._outbox.put(None)
         await asyncio.to_thread(self._reap)
 
     # ---- front-end helpers -----------------------------------------------------------
@@ -239,19 +247,13 @@ class CpuEngine:
             raise _fresh(self._gone)
 
     def _send(self, message: list[Any]) -> None:
-        try:
-            with self._write_lock:
-                write_frame(self._to_core, [message])
-        except OSError as exc:  # EPIPE/EBADF: the core is gone; the reader reports how
-            self._raise_if_gone()
-            raise EngineDead(f"the CPU engine process is gone: {exc}") from exc
+        self._outbox.put(message)
 
     def _abort_serial(self, serial: int) -> None:
         with self._lock:
             known = self._sinks.pop(serial, None) is not None
         if known:
-            with contextlib.suppress(EngineError):
-                self._send(["abort", serial])
+            self._send(["abort", serial])
 
     async def _ask(self, message: list[Any], context: Any = None) -> Any:
         """Send a message that the core answers once (by token); return the answer."""
@@ -291,7 +293,21 @@ class CpuEngine:
                 )
         raise EngineError(f"the CPU engine for {model_dir!s} was not ready in {START_TIMEOUT_S}s")
 
-    # ---- reader thread ---------------------------------------------------------------
+    # ---- writer and reader threads ---------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = [self._outbox.get()]
+            while not self._outbox.empty():  # whatever else is waiting goes in the same frame
+                batch.append(self._outbox.get())
+            messages = [m for m in batch if m is not None]
+            try:
+                if messages:
+                    write_frame(self._to_core, messages)
+            except OSError:
+                return  # the core is gone (EPIPE): the reader thread reports it
+            if None in batch:
+                return
 
     def _read_loop(self, reader: FrameReader) -> None:
         try:
@@ -300,7 +316,9 @@ class CpuEngine:
         except EOFError:
             pass
         except Exception:
-            log.exception("CPU engine: unreadable output from the core; dropping it")
+            # The channel is broken; nothing more from it can be trusted.
+            log.exception("CPU engine: unreadable output from the core; killing it")
+            self._proc.kill()
         code = self._proc.wait()
         if self._closing:
             gone: EngineError = EngineClosed("engine closed while the request was in flight")
@@ -312,8 +330,8 @@ class CpuEngine:
             sinks, self._sinks = self._sinks, {}
             replies, self._replies = self._replies, {}
         posts: dict[asyncio.AbstractEventLoop, list[tuple[Post, Any]]] = {}
-        for loop, queue in sinks.values():
-            posts.setdefault(loop, []).append((queue.put_nowait, _fresh(gone)))
+        for loop, chunks in sinks.values():
+            posts.setdefault(loop, []).append((chunks.put_nowait, _fresh(gone)))
         for loop, future, _ in replies.values():
             posts.setdefault(loop, []).append((_settler(future), _fresh(gone)))
         _post_all(posts)
@@ -375,6 +393,7 @@ class CpuEngine:
             log.warning("CPU engine process %d did not exit; killing it", self._proc.pid)
             self._kill()
         self._thread.join()
+        self._writer.join()
         self._close_fds()
 
     def _close_fds(self) -> None:

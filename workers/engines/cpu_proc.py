@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         from workers.engines.cpu_core import EngineCore  # noqa: PLC0415
 
         torch.set_num_threads(args.threads)
-        hf_logging.disable_progress_bar()  # one "Loading weights" bar per load, on stderr
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # a bar per load
         core = EngineCore(args.model, weight_version=args.weight_version)
     except Exception as exc:
         write_frame(args.out_fd, [["fatal", type(exc).__name__, str(exc)]])
