@@ -188,3 +188,31 @@ async def test_drain_and_keep_modes(
         )
         np.testing.assert_array_equal(ids[k:], new)
     assert (late_result.weight_versions == 1).all()
+
+
+async def test_a_checkpoint_the_engine_refuses_leaves_the_worker_serving(
+    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    """A bad publish is logged and skipped: the worker serves on, and follows the next one."""
+    from workers.worker import Worker, WorkerConfig
+
+    engine = await cpu_pool.get(tiny_dense_dir)
+    worker = Worker(WorkerConfig(redis_url=server.url, queues=("q",), max_concurrency=2), engine)
+    running = asyncio.create_task(worker.run())
+    client = RolloutClient(server.url, queue_name="q")
+    try:
+        await client.publish_weights(1, str(tmp_path / "no-such-checkpoint"))
+        request = RolloutRequest(prompt_token_ids=(5, 6, 7), sampling=greedy(8))
+        [rid] = await client.submit([request])
+        [result] = await client.wait([rid], timeout=60)
+        assert result.status is Status.DONE and (result.weight_versions == 0).all()
+        await client.publish_weights(2, str(tiny_dense_dir))
+        deadline = time.monotonic() + 60
+        while engine.weight_version != 2:
+            assert time.monotonic() < deadline, "the worker stopped following weights"
+            await asyncio.sleep(0.05)
+        assert not running.done()
+    finally:
+        worker.request_stop()
+        await running
+        await client.aclose()
