@@ -188,3 +188,16 @@ async def test_core_exits_when_its_worker_is_killed(tiny_dense_dir: Path) -> Non
 async def test_a_bad_model_directory_fails_at_start(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="cannot start the CPU engine"):
         await asyncio.to_thread(CpuEngine, tmp_path / "missing")
+
+
+def test_a_request_the_core_cannot_take_fails_alone(tiny_moe_dir: Path) -> None:
+    core = EngineCore(tiny_moe_dir)
+    core.handle(["add", 1, list(PROMPT), {"max_tokens": 4, "no_such_parameter": 1}, 0])
+    core.handle(["add", 2, list(PROMPT), request("x", n=4).sampling.to_dict(), 0])
+    out: list[Any] = core.take_output()
+    while core.busy:
+        core.round()
+        out += core.take_output()
+    [error] = [m for m in out if m[1] == 1]
+    assert error[:3] == ["error", 1, "EngineError"] and "no_such_parameter" in error[3]
+    assert [m[0] for m in out if m[1] == 2] == ["chunk"] * 4

@@ -87,7 +87,11 @@ class EngineCore:
         kind = message[0]
         if kind == "add":
             _, serial, prompt, sampling, resumed = message
-            self._add(serial, prompt, SamplingParams.from_dict(sampling), resumed)
+            try:
+                self._add(serial, prompt, SamplingParams.from_dict(sampling), resumed)
+            except Exception as exc:
+                # A request the core cannot take fails alone; the core and the rest go on.
+                self._fail(serial, "EngineError", f"{type(exc).__name__}: {exc}")
         elif kind == "abort":
             # Anything it produced is dropped by the front end; here it only stops costing.
             self._active = [s for s in self._active if s.serial != message[1]]
