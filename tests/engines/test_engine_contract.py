@@ -292,8 +292,10 @@ async def test_load_weights_under_inflight_request(
     versions = [c.weight_version for c in chunks]
     assert versions == sorted(versions)
     assert (versions[0], versions[-1]) == (0, 1)
-    old = [int(c.token_ids[0]) for c in chunks if c.weight_version == 0]
-    new = [int(c.token_ids[0]) for c in chunks if c.weight_version == 1]
+    # Tokens, not chunks: vLLM merges outputs that queued up while the consumer was away (here,
+    # awaiting the load), so one chunk can carry several tokens.
+    old = [int(t) for c in chunks if c.weight_version == 0 for t in c.token_ids]
+    new = [int(t) for c in chunks if c.weight_version == 1 for t in c.token_ids]
     assert len(old) + len(new) == N
     # The tokens after the swap are exactly a fresh new-weights run resumed from the old ones.
     continuation = await greedy(reference, prompts[2] + old, n=N - len(old))
