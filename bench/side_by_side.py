@@ -94,6 +94,7 @@ class Comparison:
     direct_busy: list[float] = field(default_factory=list)
     durable_busy: list[float] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    round_trips: list[int] = field(default_factory=list)
 
     def figures(self, tokens: int) -> dict[str, Any]:
         pairs = [d / w for d, w in zip(self.direct_s, self.durable_s, strict=True)]
@@ -109,6 +110,7 @@ class Comparison:
                 statistics.median(self.direct_s) / statistics.median(self.durable_s), 4
             ),
             "durable_checkpoints_each": self.checkpoints,
+            "durable_round_trips_each": self.round_trips,  # all Redis appends, grouped
         }
         if self.direct_busy:
             out["core_busy_direct"] = round(statistics.median(self.direct_busy), 4)
@@ -139,12 +141,15 @@ async def compare(
                     seconds, ref = await direct(engine, reqs, concurrency)
                 else:
                     before = stats.checkpoints
+                    trips = worker.checkpointer.round_trips if worker.checkpointer else 0
                     t0 = time.time()
                     ids = await client.submit(reqs)
                     await client.wait(ids)
                     seconds = await _last_finish(client, ids) - t0
                     got = [(await client.store.load(rid)).token_ids for rid in ids]
                     result.checkpoints.append(stats.checkpoints - before)
+                    assert worker.checkpointer is not None
+                    result.round_trips.append(worker.checkpointer.round_trips - trips)
                 (result.direct_s if side == "direct" else result.durable_s).append(seconds)
                 if cpu:
                     busy = (cpu() - c0) / seconds

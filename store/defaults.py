@@ -5,10 +5,15 @@ from __future__ import annotations
 # -- checkpoints --------------------------------------------------------------------------------
 # A worker appends a rollout's new tokens after CHECKPOINT_TOKENS tokens or CHECKPOINT_INTERVAL_S
 # seconds, whichever comes first. A crash regenerates at most that much. 16 tokens is ~0.1-0.3 s
-# of decode per rollout on a GPU; with one Redis round trip per worker per checkpoint (all its
-# rollouts are flushed together) this is far below Redis' capacity.
+# of decode per rollout on a GPU; the worker's rollouts checkpoint together at shared flush
+# points (workers/runner.py), one Redis round trip per worker per checkpoint, far below Redis'
+# capacity.
 CHECKPOINT_TOKENS = 16
 CHECKPOINT_INTERVAL_S = 0.25
+# How long the checkpoints of one flush point wait for each other before they go out: about a
+# decode step or two, the time every rollout's next chunk takes to arrive. Only mid-rollout
+# checkpoints wait; a rollout's first and last events never do.
+CHECKPOINT_GATHER_S = 0.02
 
 # -- retries ------------------------------------------------------------------------------------
 # Attempts a rollout gets when its engine fails on it; then it is recorded as failed with the

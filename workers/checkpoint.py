@@ -2,36 +2,69 @@
 
 Each rollout hands over a chain of events (e.g. its buffered tokens, then ``Finished``) and
 awaits the outcome; whatever is queued while a round trip is in flight goes in the next one.
-A worker with N rollouts in flight thus costs about one round trip per checkpoint interval,
-not N.
+
+The runners time their checkpoints together, at the worker's flush points (``request_flush``,
+``flush_mark``; the policy is in ``workers.runner``). Each rollout joins a flush point when
+its next chunk arrives, and streams deliver chunks at their own moments (an HTTP stream per
+request; one frame per decode round elsewhere), so the checkpoints of one flush point wait up
+to ``gather_s`` after it started for the others before they go out. Everything else (a
+rollout's first event, its last chain) goes out at once and takes whatever is queued with
+it. A worker with N rollouts in flight thus costs about one round trip per flush point, not N.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 
 from statemachine import Event, RolloutState
-from store import EventStore
+from store import EventStore, defaults
 
 _Entry = tuple[RolloutState | None, Sequence[Event], "asyncio.Future[RolloutState]"]
 
 
 class Checkpointer:
-    def __init__(self, store: EventStore) -> None:
+    def __init__(
+        self, store: EventStore, *, gather_s: float = defaults.CHECKPOINT_GATHER_S
+    ) -> None:
         self.store = store
+        self.gather_s = gather_s
         self._queue: list[_Entry] = []
         self._wake = asyncio.Event()
+        self._urgent = asyncio.Event()  # something that must not wait for a flush point
         self._task: asyncio.Task[None] | None = None
         self.round_trips = 0
+        # The worker's flush points (see workers.runner): each rollout checkpoints at its next
+        # chunk once this number differs from the one it last flushed at.
+        self.flush_requests = 0
+        self._requested_at = float("-inf")
 
-    async def append(self, state: RolloutState | None, events: Sequence[Event]) -> RolloutState:
-        """Append ``events`` in order; return the state after the last, or raise the refusal."""
+    def request_flush(self) -> None:
+        """Start a flush point: every rollout of the worker checkpoints at its next chunk."""
+        self.flush_requests += 1
+        self._requested_at = time.monotonic()
+
+    def flush_mark(self, interval_s: float) -> int:
+        """The current flush point; a new one starts if ``interval_s`` passed since the last."""
+        if time.monotonic() - self._requested_at >= interval_s:
+            self.request_flush()
+        return self.flush_requests
+
+    async def append(
+        self, state: RolloutState | None, events: Sequence[Event], *, gather: bool = False
+    ) -> RolloutState:
+        """Append ``events`` in order; return the state after the last, or raise the refusal.
+
+        ``gather``: a flush point's checkpoint, which may wait for the others of its point.
+        """
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="checkpointer")
         future: asyncio.Future[RolloutState] = asyncio.get_running_loop().create_future()
         self._queue.append((state, events, future))
+        if not gather:
+            self._urgent.set()
         self._wake.set()
         return await future
 
@@ -46,6 +79,11 @@ class Checkpointer:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            wait = self._requested_at + self.gather_s - time.monotonic()
+            if wait > 0 and not self._urgent.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), wait)
+            self._urgent.clear()
             batch, self._queue = self._queue, []
             if batch:
                 await self._flush(batch)

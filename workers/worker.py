@@ -63,6 +63,7 @@ class Worker:
         self.admitting.set()
         self._rq: RqBridge | None = None
         self.weights: WeightFollower | None = None
+        self.checkpointer: Checkpointer | None = None  # while running: its round trips count
 
     def request_stop(self) -> None:
         """Stop taking jobs; running rollouts save their progress and go back to the queue."""
@@ -79,7 +80,7 @@ class Worker:
         cfg = self.config
         client = connect(cfg.redis_url)
         store = EventStore(client)
-        checkpointer = Checkpointer(store)
+        checkpointer = self.checkpointer = Checkpointer(store)
         leases = Leases(client)
         self.runner = RolloutRunner(
             store,
