@@ -95,6 +95,9 @@ class Comparison:
     durable_busy: list[float] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
     round_trips: list[int] = field(default_factory=list)
+    # CPU seconds of this process (worker, engine front end, client) per side and round.
+    direct_cpu: list[float] = field(default_factory=list)
+    durable_cpu: list[float] = field(default_factory=list)
 
     def figures(self, tokens: int) -> dict[str, Any]:
         pairs = [d / w for d, w in zip(self.direct_s, self.durable_s, strict=True)]
@@ -111,6 +114,13 @@ class Comparison:
             ),
             "durable_checkpoints_each": self.checkpoints,
             "durable_round_trips_each": self.round_trips,  # all Redis appends, grouped
+            # What bookkeeping costs in CPU, whatever the engine's speed did meanwhile.
+            "process_cpu_ms_per_token_direct": round(
+                1000 * statistics.median(self.direct_cpu) / tokens, 4
+            ),
+            "process_cpu_ms_per_token_durable": round(
+                1000 * statistics.median(self.durable_cpu) / tokens, 4
+            ),
         }
         if self.direct_busy:
             out["core_busy_direct"] = round(statistics.median(self.direct_busy), 4)
@@ -137,16 +147,18 @@ async def compare(
             order = ("direct", "durable") if r % 4 in (0, 3) else ("durable", "direct")
             for side in order:
                 c0 = cpu() if cpu else 0.0
+                p0 = _process_cpu()
                 if side == "direct":
                     seconds, ref = await direct(engine, reqs, concurrency)
+                    result.direct_cpu.append(_process_cpu() - p0)
                 else:
                     before = stats.checkpoints
                     trips = worker.checkpointer.round_trips if worker.checkpointer else 0
                     t0 = time.time()
                     ids = await client.submit(reqs)
-                    await client.wait(ids)
+                    got = [r.response_token_ids for r in await client.wait(ids)]
+                    result.durable_cpu.append(_process_cpu() - p0)  # the client's reads too
                     seconds = await _last_finish(client, ids) - t0
-                    got = [(await client.store.load(rid)).token_ids for rid in ids]
                     result.checkpoints.append(stats.checkpoints - before)
                     assert worker.checkpointer is not None
                     result.round_trips.append(worker.checkpointer.round_trips - trips)
@@ -171,6 +183,11 @@ async def _last_finish(client: RolloutClient, ids: list[str]) -> float:
         events = await client.store.events(rid)
         t1 = max(t1, *(e.at for e in events if isinstance(e, Finished)))
     return t1
+
+
+def _process_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _core_cpu(engine: Engine) -> Callable[[], float] | None:

@@ -6,10 +6,11 @@ awaits the outcome; whatever is queued while a round trip is in flight goes in t
 The runners time their checkpoints together, at the worker's flush points (``request_flush``,
 ``flush_mark``; the policy is in ``workers.runner``). Each rollout joins a flush point when
 its next chunk arrives, and streams deliver chunks at their own moments (an HTTP stream per
-request; one frame per decode round elsewhere), so the checkpoints of one flush point wait up
-to ``gather_s`` after it started for the others before they go out. Everything else (a
-rollout's first event, its last chain) goes out at once and takes whatever is queued with
-it. A worker with N rollouts in flight thus costs about one round trip per flush point, not N.
+request; one frame per decode round elsewhere), so the checkpoints of one flush point go out
+once every generating rollout (``generating``, kept by the runners) has joined, or
+``gather_s`` after the point started, whichever is first. Everything else (a rollout's first
+event, its last chain) goes out at once and takes whatever is queued with it. A worker with
+N rollouts in flight thus costs about one round trip per flush point, not N.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from statemachine import Event, RolloutState
 from store import EventStore, defaults
 
-_Entry = tuple[RolloutState | None, Sequence[Event], "asyncio.Future[RolloutState]"]
+_Entry = tuple[RolloutState | None, Sequence[Event], "asyncio.Future[RolloutState]", bool]
 
 
 class Checkpointer:
@@ -40,6 +41,7 @@ class Checkpointer:
         # chunk once this number differs from the one it last flushed at.
         self.flush_requests = 0
         self._requested_at = float("-inf")
+        self.generating = 0  # rollouts streaming from the engine, each may join a flush point
 
     def request_flush(self) -> None:
         """Start a flush point: every rollout of the worker checkpoints at its next chunk."""
@@ -62,7 +64,7 @@ class Checkpointer:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="checkpointer")
         future: asyncio.Future[RolloutState] = asyncio.get_running_loop().create_future()
-        self._queue.append((state, events, future))
+        self._queue.append((state, events, future, gather))
         if not gather:
             self._urgent.set()
         self._wake.set()
@@ -79,27 +81,36 @@ class Checkpointer:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            wait = self._requested_at + self.gather_s - time.monotonic()
-            if wait > 0 and not self._urgent.is_set():
+            deadline = self._requested_at + self.gather_s
+            while not self._urgent.is_set() and self._joined() < self.generating:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._urgent.wait(), wait)
+                    await asyncio.wait_for(self._wake.wait(), left)
+                self._wake.clear()
             self._urgent.clear()
             batch, self._queue = self._queue, []
             if batch:
                 await self._flush(batch)
 
+    def _joined(self) -> int:
+        return sum(1 for entry in self._queue if entry[3])
+
     async def _flush(self, batch: list[_Entry]) -> None:
         try:
-            results = await self.store.append_many([(state, events) for state, events, _ in batch])
+            results = await self.store.append_many(
+                [(state, events) for state, events, _, _ in batch]
+            )
         except Exception as exc:
             # Redis unreachable: every caller gets the error and may retry its chain as is,
             # which is safe because a repeated append is recognised and not applied twice.
-            for _, _, future in batch:
+            for _, _, future, _ in batch:
                 if not future.done():
                     future.set_exception(exc)
             return
         self.round_trips += 1
-        for (_, _, future), result in zip(batch, results, strict=True):
+        for (_, _, future, _), result in zip(batch, results, strict=True):
             if future.done():
                 continue  # its caller was cancelled meanwhile
             if isinstance(result, RolloutState):

@@ -105,10 +105,21 @@ class RqBridge:
         job, queue = found
 
         def start() -> Running:
-            execution = self.worker.prepare_execution(job)
-            self.worker.prepare_job_execution(
-                job, remove_from_intermediate_queue=len(self.queues) == 1
-            )
+            # rq's prepare_execution and prepare_job_execution, the same commands in one round
+            # trip instead of two (this runs once per rollout).
+            w = self.worker
+            ttl = w.get_heartbeat_ttl(job)
+            with self.connection.pipeline() as pipe:
+                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=w.name)
+                w.set_state(WorkerStatus.BUSY, pipeline=pipe)
+                w.heartbeat(ttl, pipeline=pipe)
+                job.heartbeat(now(), ttl, pipeline=pipe)
+                job.prepare_for_execution(w.name, pipeline=pipe)
+                pipe.persist(job.key)
+                if len(self.queues) == 1:
+                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                pipe.execute()
+            w.executions[execution.id] = execution
             return Running(job, queue, execution)
 
         running = await self._books(start)

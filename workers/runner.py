@@ -228,25 +228,29 @@ class RolloutRunner:
         commits = self.checkpointer
         flushed = commits.flush_mark(self.cadence.interval_s)
         in_flight: asyncio.Task[RolloutState] | None = None
+        commits.generating += 1
         try:
-            async for chunk in self.engine.generate(request):
-                buffer.append(chunk)
-                buffered += len(chunk.token_ids)
-                if chunk.finish_reason is not None:
-                    break
-                full = buffered >= self.cadence.tokens
-                joining = commits.flush_mark(self.cadence.interval_s) != flushed
-                if (full or joining) and (in_flight is None or in_flight.done()):
-                    if in_flight is not None:
-                        state = in_flight.result()
-                    if full and not joining:
-                        # A new flush point: the worker's other rollouts join this commit. One
-                        # that is full just as it sees another's point joins it instead, or
-                        # two groups a chunk apart would keep pulling each other's 1-token
-                        # buffers.
-                        commits.request_flush()
-                    in_flight = asyncio.create_task(self._checkpoint(state, buffer))
-                    buffer, buffered, flushed = [], 0, commits.flush_requests
+            try:
+                async for chunk in self.engine.generate(request):
+                    buffer.append(chunk)
+                    buffered += len(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        break
+                    full = buffered >= self.cadence.tokens
+                    joining = commits.flush_mark(self.cadence.interval_s) != flushed
+                    if (full or joining) and (in_flight is None or in_flight.done()):
+                        if in_flight is not None:
+                            state = in_flight.result()
+                        if full and not joining:
+                            # A new flush point: the worker's other rollouts join this commit. One
+                            # that is full just as it sees another's point joins it instead, or
+                            # two groups a chunk apart would keep pulling each other's 1-token
+                            # buffers.
+                            commits.request_flush()
+                        in_flight = asyncio.create_task(self._checkpoint(state, buffer))
+                        buffer, buffered, flushed = [], 0, commits.flush_requests
+            finally:
+                commits.generating -= 1  # its stream is over: no flush point waits for it
         except RequestAborted:
             reason, detail = self._stop_reasons.get(rid, (AbortReason.SHUTDOWN, ""))
             state = await self._settle(in_flight, state)

@@ -19,13 +19,30 @@ from workers.worker import Worker, WorkerConfig
 
 
 def command(
-    redis_url: str, model: str | Path, name: str, *extra: str, concurrency: int = 2,
+    redis_url: str,
+    model: str | Path,
+    name: str,
+    *extra: str,
+    concurrency: int = 2,
     engine: str = "cpu",
 ) -> list[str]:
     """The command line of a worker process (for the demo, tests and benchmarks)."""
     return [
-        sys.executable, "-m", "workers.cli", "worker", "--redis", redis_url, "--engine", engine,
-        "--model", str(model), "--max-concurrency", str(concurrency), "--name", name, *extra,
+        sys.executable,
+        "-m",
+        "workers.cli",
+        "worker",
+        "--redis",
+        redis_url,
+        "--engine",
+        engine,
+        "--model",
+        str(model),
+        "--max-concurrency",
+        str(concurrency),
+        "--name",
+        name,
+        *extra,
     ]
 
 
