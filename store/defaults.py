@@ -17,8 +17,8 @@ CHECKPOINT_GATHER_S = 0.02
 
 # -- retries ------------------------------------------------------------------------------------
 # Attempts a rollout gets when its engine fails on it; then it is recorded as failed with the
-# engine's error. Aborts for weight updates, shutdowns or lost workers do not count: they are
-# not the rollout's fault.
+# engine's error. Aborts for weight updates, shutdowns, lost workers or a dead engine core do not
+# count: they are not the rollout's fault.
 MAX_ENGINE_ATTEMPTS = 3
 
 # -- leases -------------------------------------------------------------------------------------

@@ -256,8 +256,9 @@ class RolloutRunner:
             state = await self._settle(in_flight, state)
             return RunResult(Outcome.ABORTED, await self._abort(state, buffer, reason, detail))
         except EngineDead as exc:
-            # Not this rollout's fault: save it and give it back; the worker stops.
-            error = f"{type(exc).__name__}: {exc}"
+            # Not this rollout's fault: save it and give it back; the worker stops. The prefix
+            # is how the worker tells these aborts from the rollout's own engine errors.
+            error = f"{EngineDead.__name__}: {exc}"
             state = await self._settle(in_flight, state)
             state = await self._abort(state, buffer, AbortReason.ENGINE_ERROR, error)
             return RunResult(Outcome.ENGINE_DEAD, state, error)

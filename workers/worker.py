@@ -16,13 +16,14 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from statemachine import AbortReason, Failed, RolloutState
+from statemachine import Aborted, AbortReason, Failed, RolloutState
 from store import EventStore, defaults
 from store.connection import connect
 from store.leases import Leases
 from store.weights import WeightRegistry
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Engine
+from workers.errors import EngineDead
 from workers.reaper import Reaper
 from workers.rq_bridge import RqBridge, Running
 from workers.runner import Cadence, Outcome, RolloutRunner, Stats
@@ -183,7 +184,7 @@ class Worker:
         outcome, state = result.outcome, result.state
         self.stats.outcomes[outcome] = self.stats.outcomes.get(outcome, 0) + 1
         if outcome is Outcome.ENGINE_ERROR:
-            if state.attempt >= self.config.max_engine_attempts:
+            if await self._engine_errors(rid) >= self.config.max_engine_attempts:
                 state = await self._fail(state, result.error or "engine error")
                 await rq.fail(running, f"rollout {rid} failed: {result.error}")
                 return
@@ -198,6 +199,23 @@ class Worker:
             await rq.succeed(
                 running, {"rollout_id": rid, "status": state.status.value, "outcome": outcome.value}
             )
+
+    async def _engine_errors(self, rollout_id: str) -> int:
+        """Attempts of the rollout that the engine failed on.
+
+        Not ``state.attempt``: weight updates, shutdowns, lost workers and dead engines end
+        attempts too, and none of them is the rollout's fault; an RL run that updates weights
+        every step would otherwise fail a rollout on its first real error. Read from the log
+        only on this (rare) path, so the snapshot needs no extra counter.
+        """
+        events = await self.store.events(rollout_id)
+        return sum(
+            1
+            for e in events
+            if isinstance(e, Aborted)
+            and e.reason is AbortReason.ENGINE_ERROR
+            and not e.detail.startswith(f"{EngineDead.__name__}:")  # the runner's wording
+        )
 
     async def _fail(self, state: RolloutState, error: str) -> RolloutState:
         event = Failed(
