@@ -54,33 +54,43 @@ class WeightFollower:
         self.registry = registry
         self.mode = mode
         self.updates: list[UpdateTiming] = []
+        self.refused = -1  # the newest version the engine could not load
 
     async def catch_up(self) -> None:
-        """Load the newest published version if the engine is behind (before admitting)."""
+        """Load the newest published version if the engine is behind (before admitting).
+
+        A checkpoint the engine refuses is skipped as in ``follow``; raising here instead
+        would make a supervised worker restart, fail the same way, and loop.
+        """
         latest = await self.registry.latest()
         if latest is not None and latest.version > self.worker.engine.weight_version:
-            await self.apply(latest)
+            await self._try(latest)
 
     async def follow(self) -> None:
-        refused = -1  # the newest version the engine could not load
         while True:
-            seen = max(self.worker.engine.weight_version, refused)
+            seen = max(self.worker.engine.weight_version, self.refused)
             newer = await self.registry.wait_newer(seen, 5.0)
             if newer is None:
                 continue
             try:
-                await self.apply(newer)
+                await self._try(newer)
             except EngineDead as exc:
                 self.worker.engine_died(f"{type(exc).__name__}: {exc}")
                 return
-            except EngineError as exc:
-                # A bad checkpoint: the engine kept its weights. Serve on them (every token
-                # says which) rather than stop; a newer publish is tried as usual.
-                log.error(
-                    "weights v%d refused, still serving v%d: %s",
-                    newer.version, self.worker.engine.weight_version, exc,
-                )  # fmt: skip
-                refused = newer.version
+
+    async def _try(self, wv: WeightVersion) -> None:
+        try:
+            await self.apply(wv)
+        except EngineDead:
+            raise
+        except EngineError as exc:
+            # A bad checkpoint: the engine kept its weights. Serve on them (every token says
+            # which) rather than stop; a newer publish is tried as usual.
+            log.error(
+                "weights v%d refused, still serving v%d: %s",
+                wv.version, self.worker.engine.weight_version, exc,
+            )  # fmt: skip
+            self.refused = wv.version
 
     async def apply(self, wv: WeightVersion) -> None:
         worker = self.worker

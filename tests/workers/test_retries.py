@@ -1,6 +1,9 @@
-"""Which aborted attempts count against a rollout's engine-error budget (in-process worker)."""
+"""Failures a worker survives, in-process on a real redis-server: which aborted attempts count
+against a rollout's engine-error budget; a published checkpoint the engine refuses at start."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import redis.asyncio as aredis
@@ -10,8 +13,10 @@ from store import EventStore
 from store.connection import connect_sync
 from store.queue import enqueue_rollouts, rollout_queue
 from store.server import RedisServer
+from store.weights import WeightRegistry
 from tests import factories as f
 from workers.engines.synthetic import SyntheticEngine
+from workers.errors import WeightLoadError
 from workers.worker import Worker, WorkerConfig
 
 POISON = 7
@@ -73,3 +78,31 @@ async def test_a_rollout_fails_after_max_engine_attempts_of_its_own(server: Redi
     await _run_burst(server, SyntheticEngine(poison_token=POISON), ["fresh"])
     state = await store.load("fresh")
     assert state.status is Status.FAILED and state.attempt == 3
+
+
+class PickyEngine(SyntheticEngine):
+    """Loads only checkpoint paths that exist, like a real engine."""
+
+    async def load_weights(self, source: str, version: int) -> None:
+        if not Path(source).is_dir():
+            raise WeightLoadError(f"cannot load checkpoint {source}")
+        await super().load_weights(source, version)
+
+
+async def test_a_worker_starting_behind_a_refused_checkpoint_serves_on_what_it_has(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    # Before: catch_up raised, so a supervised worker restarted into the same error forever.
+    client = aredis.Redis.from_url(server.url)
+    store = EventStore(client)
+    await WeightRegistry(client).publish(1, str(tmp_path / "missing"))
+    await _history(store, "r", (1, 2, 3), [])
+    engine = PickyEngine()
+    config = WorkerConfig(redis_url=server.url, queues=("retries",), burst=True)
+    enqueue_rollouts(rollout_queue(connect_sync(server.url), "retries"), ["r"])
+    worker = Worker(config, engine)
+    await worker.run()
+    state = await store.load("r")
+    assert state.status is Status.DONE and (state.weight_versions == 0).all()
+    assert worker.weights is not None and worker.weights.refused == 1
+    assert engine.weight_version == 0
