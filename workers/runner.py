@@ -22,6 +22,7 @@ buffering. The last checkpoint and ``Finished`` go together in one chain.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -108,6 +109,7 @@ class RolloutRunner:
         self.lease_ttl_s = lease_ttl_s
         self._stop_reasons: dict[str, tuple[AbortReason, str]] = {}
         self._request_ids: dict[str, str] = {}
+        self._engine_free: dict[str, Callable[[], None]] = {}
         self.active: set[str] = set()  # rollouts inside run()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -123,10 +125,18 @@ class RolloutRunner:
         if request_id is not None:
             await self.engine.abort(request_id)
 
-    async def run(self, rollout_id: str) -> RunResult:
+    async def run(
+        self, rollout_id: str, *, on_engine_free: Callable[[], None] | None = None
+    ) -> RunResult:
+        """One attempt of the rollout. ``on_engine_free`` is called (at most once) when a
+        finished rollout no longer needs the engine: its last events are stamped and handed to
+        the group commit, and what is left (that round trip, the lease, rq's books) need not
+        keep the next rollout off the engine."""
         self._stop_reasons.pop(rollout_id, None)  # a stop meant for an earlier run
         self.active.add(rollout_id)
         self._idle.clear()
+        if on_engine_free is not None:
+            self._engine_free[rollout_id] = on_engine_free
         try:
             result = await self._run(rollout_id)
             if self.leases is not None and result.outcome not in (Outcome.LOST, Outcome.DUPLICATE):
@@ -135,6 +145,7 @@ class RolloutRunner:
                 await self.leases.drop(rollout_id)
             return result
         finally:
+            self._engine_free.pop(rollout_id, None)
             self.active.discard(rollout_id)
             if not self.active:
                 self._idle.set()
@@ -297,7 +308,7 @@ class RolloutRunner:
         stop_reason: int | str | None,
     ) -> RolloutState:
         return await self._close(
-            state, chunks, Finished, finish_reason=reason, stop_reason=stop_reason
+            state, chunks, Finished, free_engine=True, finish_reason=reason, stop_reason=stop_reason
         )
 
     async def _abort(
@@ -306,9 +317,20 @@ class RolloutRunner:
         return await self._close(state, chunks, Aborted, reason=reason, detail=detail)
 
     async def _close(
-        self, state: RolloutState, chunks: list[Chunk], end: type[Event], **fields: Any
+        self,
+        state: RolloutState,
+        chunks: list[Chunk],
+        end: type[Event],
+        *,
+        free_engine: bool = False,
+        **fields: Any,
     ) -> RolloutState:
-        """The attempt's last chunk (if any) and its ending event, in one chain."""
+        """The attempt's last chunk (if any) and its ending event, in one chain.
+
+        ``free_engine`` (a finish only): the next rollout may start once these are stamped.
+        Aborts keep their slot until saved: an abort may be the engine dying or the worker
+        stopping, and a slot freed then would only take another job to abort.
+        """
         events: list[Event] = [self._tokens_event(state, chunks)] if chunks else []
         events.append(
             end(
@@ -318,6 +340,8 @@ class RolloutRunner:
                 **fields,
             )
         )
+        if free_engine and (free := self._engine_free.pop(state.rollout_id, None)) is not None:
+            free()
         return await self.checkpointer.append(state, events)
 
     def _tokens_event(self, state: RolloutState, chunks: list[Chunk]) -> TokensAppended:

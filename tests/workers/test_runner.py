@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
@@ -224,3 +224,31 @@ async def test_abort_with_no_new_tokens_and_budget_used_up(real_redis: aredis.Re
     assert result.outcome is Outcome.FINISHED and result.state.status is Status.DONE
     assert result.state.finish_reason == "length" and result.state.num_tokens == 6
     assert result.state == await store.replay("z")
+
+
+async def test_a_finished_rollout_frees_its_engine_slot_before_its_last_round_trip(
+    real_redis: aredis.Redis,
+) -> None:
+    store = RecordingStore(real_redis)
+    await submit(store, "done", 8)
+    await submit(store, "stopped", 400)
+    runner = RolloutRunner(store, Checkpointer(store), PacedEngine(0.002), "w")
+    freed: dict[str, int] = {}
+
+    def on_free(rid: str) -> Callable[[], None]:
+        return lambda: freed.setdefault(rid, len(store.batches))  # round trips sent so far
+
+    result = await runner.run("done", on_engine_free=on_free("done"))
+    assert result.outcome is Outcome.FINISHED and result.state.status is Status.DONE
+    sent_before = [t for b in store.batches[: freed["done"]] for _, t in b]
+    assert "Finished" not in sent_before  # freed before its last chain went to Redis
+    assert "Finished" in [t for _, t in store.batches[-1]]
+
+    # An abort keeps its slot until saved (a dying engine or a stopping worker must not take
+    # another job meanwhile).
+    running = asyncio.create_task(runner.run("stopped", on_engine_free=on_free("stopped")))
+    while (await store.load("stopped")).num_tokens == 0:
+        await asyncio.sleep(0.01)
+    await runner.stop("stopped", AbortReason.SHUTDOWN)
+    aborted = await running
+    assert aborted.outcome is Outcome.ABORTED and "stopped" not in freed

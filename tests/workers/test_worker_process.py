@@ -65,7 +65,10 @@ async def test_two_workers_two_slots_six_rollouts(
             assert w.wait(60) == 0  # --burst: both exit once the queue is empty
     finally:
         stop(*workers)
-    assert busiest == 2, "rq never showed a worker running 2 rollouts at once"
+    # rq counts a job until its bookkeeping is done, which overlaps the next job's start (the
+    # engine slot frees when a rollout's last events are stamped): 2 generating, plus at most
+    # 2 finishing.
+    assert 2 <= busiest <= 4, f"rq showed a worker running {busiest} rollouts at once"
 
     # At most 2 generating per worker at any moment, read from the recorded events.
     events = {rid: await client.store.events(rid) for rid in ids}
