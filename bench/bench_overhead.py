@@ -98,7 +98,7 @@ if __name__ == "__main__":
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--short-tokens", type=int, default=32, help="0: skip the short workload")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--ceiling-rollouts", type=int, default=64)
     ap.add_argument("--ceiling-tokens", type=int, default=4096)
     ap.add_argument("--json", action="store_true")
