@@ -10,10 +10,10 @@ worker makes about one round trip per flush point, not one per rollout.
 
 Why flush points shared by the worker and not a timer per rollout: rollouts start at
 different moments, so their own timers and token counts come due at different moments and
-each checkpoint was a round trip of its own. Measured (``bench/bench_overhead.py``, 64 x 256
-tokens, 8 in flight): 960 appends in ~960 round trips per round and durable/direct 0.973;
-with shared flush points ~390 round trips and 1.007. Each round trip costs the machine
-syscalls, wake-ups and an fsync (AOF ``always``), which is what slows the engine beside it.
+most checkpoints were a round trip of their own. Measured (``bench/bench_overhead.py``, 64 x
+256 tokens, 8 in flight): 960 appends in 614-797 round trips per round before, ~1,015 in
+~230 with shared flush points. Each round trip costs syscalls, wake-ups and an fsync (AOF
+``always``) on the cores the engine shares, which is what slows it down.
 
 Generation never waits for Redis: while one checkpoint is in flight the next tokens keep
 buffering. The last checkpoint and ``Finished`` go together in one chain.
