@@ -13,6 +13,7 @@ from statemachine.errors import (
     IllegalTransition,
     InvalidEvent,
     InvalidRequest,
+    ModelMismatch,
     OffsetMismatch,
     SequenceGap,
     StateMachineError,
@@ -32,12 +33,13 @@ from statemachine.events import (
     TokensAppended,
     fence_of,
 )
-from statemachine.request import RolloutRequest, SamplingParams
+from statemachine.request import DEFAULT_QUEUE, RolloutRequest, SamplingParams
 from statemachine.state import RolloutState
 from statemachine.states import LIVE, TERMINAL, WAITING, AbortReason, FinishReason, Status
 from statemachine.transitions import EVENT_TYPES, TRANSITIONS, apply, fold
 
 __all__ = [
+    "DEFAULT_QUEUE",
     "EVENT_TYPES",
     "LIVE",
     "TERMINAL",
@@ -57,6 +59,7 @@ __all__ = [
     "IllegalTransition",
     "InvalidEvent",
     "InvalidRequest",
+    "ModelMismatch",
     "OffsetMismatch",
     "Resumed",
     "RolloutRequest",

@@ -39,13 +39,14 @@ from statemachine.events import (
     Submitted,
     TokensAppended,
 )
-from statemachine.request import RolloutRequest
+from statemachine.request import DEFAULT_QUEUE, RolloutRequest
 from statemachine.state import RolloutState
 from statemachine.states import AbortReason, FinishReason, Status
 
 EVENT_MAGIC = b"R"
 SNAPSHOT_MAGIC = b"S"
-SNAPSHOT_SCHEMA = 1
+# v2 appends the model of the rollout's attempts; a v1 head decodes with model "" (unknown).
+SNAPSHOT_SCHEMA = 2
 _ALLOWED_DTYPES = {dt.str: dt for dt in (TOKEN_DTYPE, LOGPROB_DTYPE, VERSION_DTYPE, *ROUTE_DTYPES)}
 # uint8 has no byte order; numpy spells it "|u1".
 _ALLOWED_DTYPES["|u1"] = np.dtype("u1")
@@ -95,6 +96,7 @@ def _attempt_fields(e: Started | Resumed) -> Fields:
         "worker_id": e.worker_id,
         "weight_version": e.weight_version,
         "weight_mode": e.weight_mode,
+        "model": e.model,
     }
 
 
@@ -128,15 +130,20 @@ _Codec = tuple[type[Event], int, Callable[[Any], Fields], Callable[[Fields], Fie
 REGISTRY: dict[str, _Codec] = {
     "submitted": (
         Submitted,
-        1,
-        lambda e: {"request": e.request.to_dict(), "admitted_version": e.admitted_version},
+        2,
+        lambda e: {
+            "request": e.request.to_dict(),
+            "admitted_version": e.admitted_version,
+            "queue": e.queue,
+        },
         lambda f: {
             "request": RolloutRequest.from_dict(f["request"]),
             "admitted_version": f["admitted_version"],
+            "queue": f["queue"],
         },
     ),
-    "started": (Started, 1, _attempt_fields, dict),
-    "resumed": (Resumed, 1, _attempt_fields, dict),
+    "started": (Started, 2, _attempt_fields, dict),
+    "resumed": (Resumed, 2, _attempt_fields, dict),
     "tokens_appended": (TokensAppended, 1, _tokens_fields, _tokens_from),
     "aborted": (
         Aborted,
@@ -159,8 +166,26 @@ REGISTRY: dict[str, _Codec] = {
 }
 _NAME_OF: dict[type[Event], str] = {cls: name for name, (cls, *_rest) in REGISTRY.items()}
 
+
+
+def _queue_recorded(f: Fields) -> Fields:
+    """submitted v1 -> v2: v1 did not record the queue. Such rollouts were submitted by code
+    that, unless told otherwise, used the default queue: the best guess there is."""
+    return {**f, "queue": DEFAULT_QUEUE}
+
+
+def _model_recorded(f: Fields) -> Fields:
+    """started/resumed v1 -> v2: the model was not recorded; "" is "unknown", which the
+    transitions accept next to any model (no check is possible against it)."""
+    return {**f, "model": ""}
+
+
 # (type name, stored version) -> function turning those fields into the next version's fields.
-UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {}
+UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {
+    ("submitted", 1): _queue_recorded,
+    ("started", 1): _model_recorded,
+    ("resumed", 1): _model_recorded,
+}
 
 
 # -- events -------------------------------------------------------------------------------------
@@ -247,6 +272,7 @@ def encode_snapshot(state: RolloutState) -> bytes:
             None if state.finish_reason is None else state.finish_reason.value,
             state.stop_reason,
             state.error,
+            state.model,
         ],
         use_bin_type=True,
     )
@@ -263,6 +289,9 @@ def decode_snapshot(
     rollout_id = submitted.rollout_id
     body = _unframe(SNAPSHOT_MAGIC, record, rollout_id, None)
     try:
+        fields = _unpack(body)
+        if isinstance(fields, list) and len(fields) == 13 and fields[0] == 1:
+            fields = [2, *fields[1:], ""]  # v1 -> v2: the model was not recorded
         (
             version,
             rid,
@@ -277,7 +306,8 @@ def decode_snapshot(
             finish_reason,
             stop_reason,
             error,
-        ) = _unpack(body)
+            model,
+        ) = fields
     except (TypeError, ValueError):
         # Wrong arity: the head was not written by this code.
         raise CorruptRecord("bad snapshot layout", rollout_id=rollout_id) from None
@@ -293,6 +323,8 @@ def decode_snapshot(
             request=submitted.request,
             submitted_at=submitted.at,
             admitted_version=submitted.admitted_version,
+            queue=submitted.queue,
+            model=model,
             attempt=attempt,
             worker_id=worker_id,
             weight_version=weight_version,

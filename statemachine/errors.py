@@ -40,6 +40,11 @@ class OffsetMismatch(TransitionError):
     """Appended tokens do not start where the tokens so far end."""
 
 
+class ModelMismatch(TransitionError):
+    """An attempt would run another model than the rollout's earlier attempts did: its
+    trajectory would mix two models' tokens, so the attempt is refused."""
+
+
 class BudgetExceeded(TransitionError):
     """Appended tokens would exceed the request's ``max_tokens``."""
 

@@ -22,7 +22,7 @@ from statemachine.arrays import (
     frozen_routes,
 )
 from statemachine.errors import InvalidEvent
-from statemachine.request import RolloutRequest
+from statemachine.request import DEFAULT_QUEUE, RolloutRequest
 from statemachine.states import AbortReason, FinishReason
 
 
@@ -44,8 +44,18 @@ class Event:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Submitted(Event):
+    """``queue`` is the rq queue the rollout was submitted to: every later attempt (a requeue
+    after a shutdown, a weight update, an engine error or a lost worker) goes back to it, so
+    it runs on the workers, and so the model, it was submitted for."""
+
     request: RolloutRequest
     admitted_version: int = 0  # newest published weight version when it was submitted
+    queue: str = DEFAULT_QUEUE
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        if not isinstance(self.queue, str) or not self.queue:
+            raise InvalidEvent(f"queue must be a non-empty string, got {self.queue!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,12 +63,16 @@ class Started(Event):
     """The first attempt began on a worker, on weights ``weight_version``.
 
     ``weight_mode`` is how that worker's deployment handles weight updates during the attempt
-    (abort, drain or keep), so the log says why versions do or do not change mid-attempt."""
+    (abort, drain or keep), so the log says why versions do or do not change mid-attempt.
+    ``model`` identifies the model the attempt runs (``workers.engines.identity``): every
+    attempt of a rollout must run the same one, or its trajectory would mix two models.
+    "" means unknown (records written before it was recorded)."""
 
     attempt: int
     worker_id: str
     weight_version: int
     weight_mode: str = "abort"
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +83,7 @@ class Resumed(Event):
     worker_id: str
     weight_version: int
     weight_mode: str = "abort"
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from statemachine.errors import InvalidRequest
+
+# Largest int a request field may hold. msgpack could store up to 2**64 - 1, but no token id,
+# seed or token budget beyond int64 means anything, and numpy/torch/vLLM hold them as int64.
+INT_MAX = 2**63 - 1
+
+# The rq queue a rollout goes to when the submitter names none (``store.defaults.QUEUE_NAME``).
+DEFAULT_QUEUE = "rollouts"
 
 # Metadata is stored verbatim in the log; keep it to plain msgpack-able scalars so it
 # can never smuggle objects (and so never needs pickle).
@@ -27,8 +37,10 @@ class SamplingParams:
     logprobs: int = 0  # extra top-k logprobs asked of the engine; the sampled one is always kept
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(
+            self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids)
+        )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -42,10 +54,6 @@ class SamplingParams:
         _check_int("top_k", self.top_k, minimum=0)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequest("stop must be a sequence of non-empty strings")
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids[]", t, minimum=0)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest("ignore_eos must be a bool")
         _check_int("logprobs", self.logprobs, minimum=0)
@@ -87,12 +95,10 @@ class RolloutRequest:
     max_staleness: int | None = None
 
     def __post_init__(self) -> None:
-        ids = tuple(self.prompt_token_ids)
+        ids = _token_ids("prompt_token_ids", self.prompt_token_ids)
         object.__setattr__(self, "prompt_token_ids", ids)
         if not ids:
             raise InvalidRequest("prompt_token_ids must not be empty")
-        for t in ids:
-            _check_int("prompt_token_ids[]", t, minimum=0)
         if not isinstance(self.sampling, SamplingParams):
             raise InvalidRequest("sampling must be SamplingParams")
         if self.group_id is not None and not isinstance(self.group_id, str):
@@ -132,7 +138,7 @@ class RolloutRequest:
         try:
             sampling = SamplingParams.from_dict(dict(data["sampling"]))
             return cls(
-                prompt_token_ids=tuple(data["prompt_token_ids"]),
+                prompt_token_ids=data["prompt_token_ids"],
                 sampling=sampling,
                 group_id=data.get("group_id"),
                 metadata=dict(data.get("metadata") or {}),
@@ -145,12 +151,44 @@ class RolloutRequest:
             raise InvalidRequest(f"malformed request: {exc}") from None
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
+def _stop_strings(value: object) -> tuple[str, ...]:
+    # vLLM takes `stop: str | list[str]`: a lone string is one stop string, never its letters.
+    strings = (value,) if isinstance(value, str) else value
+    if not isinstance(strings, list | tuple) or not all(isinstance(s, str) and s for s in strings):
+        raise InvalidRequest(f"stop must be a string or a list of non-empty strings, got {value!r}")
+    return tuple(strings)
+
+
+def _token_ids(name: str, value: object) -> tuple[int, ...]:
+    """Token ids as a tuple of plain ints. numpy integer scalars (a trainer's arrays) become
+    ints so msgpack can store them; numpy bools and floats are refused like Python's."""
+    # A string, bytes, a mapping or a set iterates, but into characters, byte values, keys or
+    # no defined order: never what a caller meant by token ids.
+    if isinstance(value, str | bytes | bytearray | memoryview | Mapping | Set):
+        raise InvalidRequest(f"{name} must be a list of ints, got {type(value).__name__}")
+    if not isinstance(value, Iterable):
+        # Not iterable at all: a bare int, None, a float.
+        raise InvalidRequest(f"{name} must be a list of ints, got {value!r}")
+    try:
+        items: tuple[object, ...] = tuple(value)
+    except TypeError:
+        # Iterable by type yet not by value: a 0-d numpy array.
+        raise InvalidRequest(f"{name} must be a list of ints, got {value!r}") from None
+    return tuple(
+        _check_int(f"{name}[]", int(t) if isinstance(t, np.integer) else t, minimum=0)
+        for t in items
+    )
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
     # bool is an int subclass; True as a token id or a budget is always a caller bug.
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequest(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise InvalidRequest(f"{name} must be >= {minimum}, got {value}")
+    if value > INT_MAX:
+        raise InvalidRequest(f"{name} must be < 2**63, got {value}")
+    return value
 
 
 def _check_float(
@@ -158,8 +196,15 @@ def _check_float(
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"{name} must be a number, got {value!r}")
-    v = float(value)
-    if math.isnan(v) or (low_open and v <= low) or v < low or (high is not None and v > high):
+    try:
+        v = float(value)
+    except OverflowError:
+        # An int beyond the float range (10**400): as meaningless as inf.
+        v = math.inf
+    # An infinite temperature would be accepted by vLLM, yet it only samples uniform noise.
+    if not math.isfinite(v):
+        raise InvalidRequest(f"{name} must be finite, got {value!r}")
+    if (low_open and v <= low) or v < low or (high is not None and v > high):
         bound = (
             f"({low}, {high}]" if low_open else f"[{low}, {high if high is not None else 'inf'})"
         )

@@ -10,7 +10,7 @@ import numpy.typing as npt
 
 from statemachine.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, concat
 from statemachine.events import TokensAppended
-from statemachine.request import RolloutRequest, SamplingParams
+from statemachine.request import DEFAULT_QUEUE, RolloutRequest, SamplingParams
 from statemachine.states import LIVE, TERMINAL, AbortReason, FinishReason, Status
 
 
@@ -22,6 +22,8 @@ class RolloutState:
     request: RolloutRequest
     submitted_at: float = 0.0
     admitted_version: int = 0  # newest published weights when it was submitted
+    queue: str = DEFAULT_QUEUE  # the rq queue it was submitted to; every requeue goes there
+    model: str = ""  # the model its attempts run ("" until one starts, or if unrecorded)
     attempt: int = 0  # number of the latest attempt; 0 until the first start
     worker_id: str | None = None  # worker of the latest attempt
     weight_version: int | None = None  # weights the latest attempt started on

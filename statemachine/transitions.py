@@ -8,6 +8,7 @@ from statemachine.errors import (
     AttemptMismatch,
     BudgetExceeded,
     IllegalTransition,
+    ModelMismatch,
     OffsetMismatch,
     SequenceGap,
 )
@@ -101,18 +102,26 @@ def _submitted(_: RolloutState | None, e: Event, after: Status) -> RolloutState:
         request=e.request,
         submitted_at=e.at,
         admitted_version=e.admitted_version,
+        queue=e.queue,
     )
 
 
 def _begun(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Started | Resumed)
     _expect_attempt(s, e, e.attempt, s.attempt + 1)
+    if s.model and e.model and e.model != s.model:
+        raise ModelMismatch(
+            e.rollout_id,
+            e.seq,
+            f"attempt {e.attempt} would run model {e.model!r}; earlier attempts ran {s.model!r}",
+        )
     return s.evolve(
         seq=e.seq,
         status=after,
         attempt=e.attempt,
         worker_id=e.worker_id,
         weight_version=e.weight_version,
+        model=s.model or e.model,
         abort_reason=None,
     )
 

@@ -65,7 +65,16 @@ class RolloutClient:
         chains = [
             (
                 None,
-                [Submitted(rollout_id=rid, seq=1, request=req, at=now, admitted_version=admitted)],
+                [
+                    Submitted(
+                        rollout_id=rid,
+                        seq=1,
+                        request=req,
+                        at=now,
+                        admitted_version=admitted,
+                        queue=self._queue.name,
+                    )
+                ],
             )
             for rid, req in zip(ids, requests, strict=True)
         ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from statemachine.request import DEFAULT_QUEUE
+
 # -- checkpoints --------------------------------------------------------------------------------
 # A worker appends a rollout's new tokens after CHECKPOINT_TOKENS tokens or CHECKPOINT_INTERVAL_S
 # seconds, whichever comes first. A crash regenerates at most that much. 16 tokens is ~0.1-0.3 s
@@ -30,14 +32,32 @@ LEASE_TTL_S = 5.0
 HEARTBEAT_S = 1.0
 REAP_INTERVAL_S = 1.0
 
+# -- shutdown -----------------------------------------------------------------------------------
+# A stopping worker gives its rollouts this long to save their progress and requeue their
+# jobs (normally a checkpoint round trip); any left are cancelled (their leases then lapse
+# and the reaper recovers them).
+SHUTDOWN_GRACE_S = 30.0
+# How long a stopping worker waits for each background loop or closing step; past it the step
+# is logged and left behind. A wait on shutdown is never unbounded (seen: a cancel lost inside
+# redis-py kept a SIGTERMed worker alive forever).
+LOOP_STOP_S = 5.0
+
 # -- queue --------------------------------------------------------------------------------------
-QUEUE_NAME = "rollouts"
+# The queue a rollout goes to when its submitter names none; recorded in ``Submitted``.
+QUEUE_NAME = DEFAULT_QUEUE
 # rq's job timeout: generations can legitimately run for many minutes; our own leases (not
 # rq's timeout) detect dead workers, so this only bounds a runaway job.
 JOB_TIMEOUT_S = 24 * 3600
 # Seconds a worker blocks on the queue before looking around (shutdown, stats); a blocking
 # pop, never a busy poll.
 DEQUEUE_TIMEOUT_S = 1
+
+# A job the worker cannot run now (Redis unreachable, a record written by newer code, another
+# model's rollout, a bug) goes back to the queue after a backoff: REQUEUE_BACKOFF_S, doubling
+# with each failure of that rollout on that worker, up to REQUEUE_BACKOFF_MAX_S. Nothing
+# requeues in a hot loop (before: ~300 requeues/s of one unloadable job, on every worker).
+REQUEUE_BACKOFF_S = 1.0
+REQUEUE_BACKOFF_MAX_S = 60.0
 
 # -- clients ------------------------------------------------------------------------------------
 # How often ``wait`` re-reads the status of rollouts still running; one pipelined round trip

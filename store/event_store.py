@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 
 from statemachine import (
     Event,
+    Failed,
     RolloutState,
     Submitted,
     TokensAppended,
@@ -158,6 +159,29 @@ class EventStore:
         if state is None:
             raise RolloutNotFound(rollout_id)
         return state
+
+    async def fail_unreadable(self, rollout_id: str, error: str) -> bool:
+        """Record ``Failed`` on a rollout whose log cannot be read but whose snapshot can.
+
+        ``load`` refuses such a rollout, so nothing could ever run or end it and a trainer
+        waiting for it would wait forever; failing it from the snapshot alone (its token data
+        is not needed to end it) makes it end with the reason. True if recorded; False if it
+        had ended already. Raises ``CodecError`` if the snapshot is unreadable too.
+        """
+        head, sub = await self.redis.hmget(self.keys.snapshot(rollout_id), ["head", "sub"])  # type: ignore[misc]
+        if head is None or sub is None:
+            raise RolloutNotFound(rollout_id)
+        submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
+        if not isinstance(submitted, Submitted):
+            raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
+        state = codec.decode_snapshot(head, submitted)
+        if state.terminal:
+            return False
+        failed = Failed(
+            rollout_id=rollout_id, seq=state.seq + 1, error=error, attempts=state.attempt
+        )
+        await self.append(state, failed)
+        return True
 
     async def events(self, rollout_id: str) -> list[Event]:
         return _decode_entries(rollout_id, await self.redis.xrange(self.keys.log(rollout_id)))

@@ -46,6 +46,10 @@ class Keys:
         """The lease index of every generating rollout (one per deployment)."""
         return f"{self.namespace}:leases"
 
+    def quarantine(self) -> str:
+        """Rollouts set aside because they cannot be read (rollout id -> reason)."""
+        return f"{self.namespace}:quarantine"
+
     def rollout(self, rollout_id: str) -> tuple[str, str]:
         """``(log, snapshot)``: what the append script gets as KEYS, checked once."""
         base = f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}"

@@ -25,7 +25,9 @@ def now_ms() -> int:
 class Leases:
     def __init__(self, client: Redis, keys: Keys | None = None) -> None:
         self.redis = client
-        self.key = (keys or Keys()).leases()
+        keys = keys or Keys()
+        self.key = keys.leases()
+        self.quarantine_key = keys.quarantine()
 
     async def take(self, rollout_id: str, ttl_s: float) -> None:
         await self.redis.zadd(self.key, {rollout_id: now_ms() + int(ttl_s * 1000)})
@@ -53,3 +55,14 @@ class Leases:
 
     async def release_if_unchanged(self, rollout_id: str, seen_expiry: int) -> bool:
         return bool(await scripts.RELEASE_LEASE(self.redis, [self.key], [rollout_id, seen_expiry]))
+
+    async def quarantine(self, rollout_id: str, seen_expiry: int, reason: str) -> bool:
+        """Move an expired lease to the quarantine with ``reason``, unless renewed meanwhile."""
+        keys = [self.key, self.quarantine_key]
+        reply = await scripts.QUARANTINE_LEASE(self.redis, keys, [rollout_id, seen_expiry, reason])
+        return bool(reply)
+
+    async def quarantined(self) -> dict[str, str]:
+        """Every quarantined rollout with the reason it was set aside."""
+        rows: dict[bytes, bytes] = await self.redis.hgetall(self.quarantine_key)  # type: ignore[misc]
+        return {k.decode(): v.decode(errors="replace") for k, v in rows.items()}

@@ -72,3 +72,4 @@ class Script:
 APPEND = Script("append")
 PUBLISH_WEIGHTS = Script("publish_weights")
 RELEASE_LEASE = Script("release_lease")
+QUARANTINE_LEASE = Script("quarantine_lease")

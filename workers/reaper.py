@@ -1,72 +1,118 @@
 """The reaper: turns expired leases into ``aborted(worker_lost)`` and gives the work back.
 
-Run by every worker (and any process that wants to: ``rollouts reaper``); several at once are
-safe: the fenced append lets exactly one of them record the abort, and a lease is removed (and
-the rollout re-enqueued) only by whoever removes it first, and only if nobody renewed it since
-it was read. The reaper appends events; it never edits state behind the log's back.
+Run by every worker; several at once are safe: the fenced append lets exactly one of them
+record the abort, and a lease is removed (and the rollout re-enqueued) only by whoever removes
+it first, and only if nobody renewed it since it was read. The reaper appends events; it never
+edits state behind the log's back.
+
+One bad rollout affects only itself: each expired lease is handled on its own, a transient
+error leaves that lease for the next pass, and a rollout that cannot be read at all is
+quarantined (its lease moved to the quarantine hash with the reason, logged once) so that it
+never again stands in front of the leases behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
+from redis import Redis as SyncRedis
 from rq import Queue
 
-from statemachine import LIVE, Aborted, AbortReason
+from statemachine import LIVE, Aborted, AbortReason, CodecError, CorruptRecord, RolloutState
 from store import AppendRefused, EventStore, RolloutNotFound
 from store.leases import Leases
-from store.queue import enqueue_rollouts_async
+from store.queue import enqueue_rollouts_async, rollout_queue
 
 log = logging.getLogger("rollouts.reaper")
 
 
 class Reaper:
-    def __init__(self, store: EventStore, leases: Leases, queue: Queue) -> None:
+    def __init__(self, store: EventStore, leases: Leases, connection: SyncRedis) -> None:
         self.store = store
         self.leases = leases
-        self.queue = queue
+        self.connection = connection  # rq's (synchronous) connection
+        self._queues: dict[str, Queue] = {}
         self.recovered = 0
+        self.quarantined = 0
 
     async def reap_once(self) -> list[str]:
         """One pass over the expired leases; returns the rollouts given back to the queue."""
         given_back = []
         for rid, expiry in await self.leases.expired():
             try:
-                state = await self.store.load(rid)
-            except RolloutNotFound:
-                await self.leases.release_if_unchanged(rid, expiry)  # a deleted rollout
-                continue
-            if state.status in LIVE:
-                lost = Aborted(
-                    rollout_id=rid,
-                    seq=state.seq + 1,
-                    attempt=state.attempt,
-                    reason=AbortReason.WORKER_LOST,
-                    detail=f"lease of {state.worker_id} expired",
-                )
-                try:
-                    await self.store.append(state, lost)
-                except AppendRefused:
-                    # It moved on since we read it (finished, or another reaper won): look again
-                    # next pass if the lease is still expired.
-                    continue
-            if not await self.leases.release_if_unchanged(rid, expiry):
-                continue  # renewed meanwhile, or another reaper took it
-            if not state.terminal:
-                # Its worker died holding its job: queue it again. If the job in fact survived,
-                # the duplicate finds the rollout taken (or done) and does nothing.
-                await enqueue_rollouts_async(self.queue, [rid], at_front=True)
-                given_back.append(rid)
-                log.warning("rollout %s: lease expired, resuming it elsewhere", rid)
+                if await self._reap(rid, expiry):
+                    given_back.append(rid)
+            except CodecError as exc:
+                await self._quarantine(rid, expiry, exc)
+            except Exception:
+                # Redis hiccup or a bug on this one rollout: its lease is still expired, so
+                # the next pass tries again; the leases behind it are not held up.
+                log.warning("rollout %s: reaping failed; retrying next pass", rid, exc_info=True)
         self.recovered += len(given_back)
         return given_back
 
-    async def run(self, interval_s: float) -> None:
-        while True:
+    async def _reap(self, rid: str, expiry: int) -> bool:
+        try:
+            state = await self.store.load(rid)
+        except RolloutNotFound:
+            await self.leases.release_if_unchanged(rid, expiry)  # a deleted rollout
+            return False
+        if state.status in LIVE:
+            lost = Aborted(
+                rollout_id=rid,
+                seq=state.seq + 1,
+                attempt=state.attempt,
+                reason=AbortReason.WORKER_LOST,
+                detail=f"lease of {state.worker_id} expired",
+            )
+            try:
+                await self.store.append(state, lost)
+            except AppendRefused:
+                # It moved on since we read it (finished, or another reaper won): look again
+                # next pass if the lease is still expired.
+                return False
+        if not await self.leases.release_if_unchanged(rid, expiry):
+            return False  # renewed meanwhile, or another reaper took it
+        if state.terminal:
+            return False
+        # Its worker died holding its job: queue it again, on the queue it was submitted to
+        # (so on workers serving its model). If the job in fact survived, the duplicate finds
+        # the rollout taken (or done) and does nothing.
+        await enqueue_rollouts_async(self._queue(state), [rid], at_front=True)
+        log.warning(
+            "rollout %s attempt %d: lease of worker %s expired; aborted (worker_lost), "
+            "requeued on %s",
+            rid, state.attempt, state.worker_id, state.queue,
+        )  # fmt: skip
+        return True
+
+    async def _quarantine(self, rid: str, expiry: int, exc: CodecError) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, CorruptRecord):
+            # Record the failure where the snapshot is still readable, so that the trainer
+            # sees the rollout end instead of waiting for it forever.
+            with contextlib.suppress(Exception):
+                await self.store.fail_unreadable(rid, f"unreadable record: {reason}")
+        if await self.leases.quarantine(rid, expiry, reason):
+            self.quarantined += 1
+            log.error("rollout %s: cannot be read, quarantined (%s)", rid, reason)
+
+    def _queue(self, state: RolloutState) -> Queue:
+        queue = self._queues.get(state.queue)
+        if queue is None:
+            queue = self._queues[state.queue] = rollout_queue(self.connection, state.queue)
+        return queue
+
+    async def run(self, interval_s: float, stop: asyncio.Event) -> None:
+        """Pass after pass until ``stop`` is set (checked between passes, so a cancel that
+        redis-py swallows cannot keep it running)."""
+        while not stop.is_set():
             try:
                 await self.reap_once()
             except Exception:
-                # Redis unreachable or a transient error: the leases are still there next pass.
+                # Redis unreachable (listing the leases failed): they are still there next pass.
                 log.warning("reaper pass failed", exc_info=True)
-            await asyncio.sleep(interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)

@@ -19,16 +19,21 @@ from typing import Any, TypeVar
 from rq import Queue
 from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from store.connection import connect_sync
-from store.queue import rollout_queue
+from store.errors import InvalidRolloutId
+from store.keys import check_rollout_id
+from store.queue import JOB_FUNC, rollout_queue
 
 T = TypeVar("T")
+
+# How long rq lists a superseded job among the canceled ones (as its finished jobs: an hour).
+SUPERSEDED_TTL_S = 3600
 
 
 class InProcessWorker(BaseWorker):
@@ -48,13 +53,33 @@ class InProcessWorker(BaseWorker):
 
 @dataclass(slots=True)
 class Running:
+    """A job this worker took from rq. ``problem`` says why it is not a rollout job we can
+    run (anyone with write access to Redis can enqueue anything); then ``rollout_id`` is ""."""
+
     job: Job
     queue: Queue
     execution: Execution
+    rollout_id: str = ""
+    problem: str | None = None
 
-    @property
-    def rollout_id(self) -> str:
-        return str(self.job.kwargs["rollout_id"])
+
+def job_problem(job: Job) -> tuple[str, str | None]:
+    """``(rollout id, None)`` for a job of ours, ``("", why not)`` for anything else."""
+    try:
+        func, args, kwargs = job.func_name, job.args, job.kwargs
+    except Exception as exc:
+        # rq decodes the payload lazily; JSON that is not [func, instance, args, kwargs], or
+        # not JSON at all, surfaces here (DeserializationError and its causes).
+        return "", f"undecodable job payload ({type(exc).__name__})"
+    if func != JOB_FUNC:
+        return "", f"job function {func!r} is not {JOB_FUNC}"
+    if args or not isinstance(kwargs, dict) or set(kwargs) != {"rollout_id"}:
+        got = f"args={args!r:.80} kwargs={kwargs!r:.80}"
+        return "", f"a rollout job takes exactly one argument, rollout_id; got {got}"
+    try:
+        return check_rollout_id(kwargs["rollout_id"]), None
+    except InvalidRolloutId as exc:
+        return "", str(exc)
 
 
 class RqBridge:
@@ -123,6 +148,7 @@ class RqBridge:
             return Running(job, queue, execution)
 
         running = await self._books(start)
+        running.rollout_id, running.problem = job_problem(job)
         self.running[running.execution.id] = running
         return running
 
@@ -142,12 +168,14 @@ class RqBridge:
         def done() -> None:
             r.job.ended_at = now()
             r.job._result = result
+            # Out of failed first, should rq's maintenance have failed it during an outage.
+            r.queue.failed_job_registry.remove(r.job)
             self.worker.handle_job_success(
                 r.job, r.queue, r.queue.started_job_registry, r.execution
             )
             self._idle_if_empty()
 
-        await self._finish(r, done)
+        await self._finish(r, done, even_if_failed=True)
 
     async def fail(self, r: Running, error: str) -> None:
         def done() -> None:
@@ -157,30 +185,58 @@ class RqBridge:
 
         await self._finish(r, done)
 
-    async def requeue(self, r: Running, *, at_front: bool) -> None:
-        """Put a started job back on its queue (shutdown, retry after an engine error)."""
+    async def requeue(self, r: Running, *, at_front: bool, queue: str | None = None) -> None:
+        """Put a started job back on a queue: its own, or ``queue`` (the rollout's recorded
+        queue, when the job came from another). Shutdown, weight update, retry."""
+        target = r.queue if queue is None or queue == r.queue.name else self._queue(queue)
 
         def back() -> None:
             with self.connection.pipeline() as pipe:
                 self.worker.cleanup_execution(r.job, pipeline=pipe, execution=r.execution)
                 r.job.started_at = r.job.ended_at = None
                 r.job.worker_name = None
+                # A job rq's maintenance failed meanwhile (its heartbeat lapsed during an
+                # outage) is ours to requeue all the same: its rollout still needs a run.
+                pipe.zrem(r.queue.failed_job_registry.key, r.job.id)
                 # rq has no public "started -> queued"; this is what its own requeue does.
-                r.queue._enqueue_job(r.job, pipeline=pipe, at_front=at_front)
+                target._enqueue_job(r.job, pipeline=pipe, at_front=at_front)
                 pipe.execute()
             self._idle_if_empty()
 
-        await self._finish(r, back)
+        await self._finish(r, back, even_if_failed=True)
 
-    async def _finish(self, r: Running, fn: Callable[[], None]) -> None:
+    async def supersede(self, r: Running) -> None:
+        """End a job whose rollout another attempt owns (a duplicate delivery, or a run that
+        was fenced out): rq lists it as canceled, not as a success or a failure; the job that
+        owns the rollout reports its outcome."""
+
+        def done() -> None:
+            with self.connection.pipeline() as pipe:
+                self.worker.cleanup_execution(r.job, pipeline=pipe, execution=r.execution)
+                r.job.set_status(JobStatus.CANCELED, pipeline=pipe)
+                r.queue.canceled_job_registry.add(r.job, ttl=SUPERSEDED_TTL_S, pipeline=pipe)
+                pipe.execute()
+            self._idle_if_empty()
+
+        await self._finish(r, done)
+
+    def _queue(self, name: str) -> Queue:
+        return rollout_queue(self.connection, name)
+
+    async def _finish(
+        self, r: Running, fn: Callable[[], None], *, even_if_failed: bool = False
+    ) -> None:
         def guarded() -> None:
-            # rq's maintenance (even `rq info`) fails executions whose heartbeat lapsed; one it
-            # already failed must not also be finished, or it lands in two registries.
+            # rq's maintenance (even `rq info`) fails executions whose heartbeat lapsed (a
+            # Redis outage longer than a heartbeat TTL does it). Such a job must not land in
+            # two registries: a success moves it from failed to finished, a requeue takes it
+            # out of failed (``even_if_failed``); anything else leaves rq's verdict.
             with self.connection.pipeline(transaction=False) as pipe:
                 pipe.zscore(r.queue.started_job_registry.key, r.execution.composite_key)
                 pipe.hget(r.job.key, "status")
                 score, status = pipe.execute()
-            if score is not None and status == b"started":
+            ours = score is not None and status == b"started"
+            if ours or (status == b"failed" and even_if_failed):
                 fn()
 
         try:

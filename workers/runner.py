@@ -22,6 +22,7 @@ buffering. The last checkpoint and ``Finished`` go together in one chain.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -44,11 +45,18 @@ from statemachine import (
     TokensAppended,
 )
 from statemachine.arrays import clamp_logprobs
+from statemachine.errors import ModelMismatch
 from store import AppendRefused, EventStore, defaults
 from store.leases import Leases, now_ms
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Chunk, Engine, EngineRequest
 from workers.errors import EngineDead, EngineError, RequestAborted
+
+log = logging.getLogger("rollouts.runner")
+
+
+def _wrong_model(recorded: str, ours: str) -> str:
+    return f"earlier attempts ran model {recorded!r}; this worker runs {ours!r}"
 
 
 class Outcome(StrEnum):
@@ -58,13 +66,20 @@ class Outcome(StrEnum):
     LOST = "lost"  # another writer took the rollout over (fenced out); nothing more to do
     DUPLICATE = "duplicate"  # a live worker holds the rollout's lease: this job is a duplicate
     ENGINE_DEAD = "engine_dead"  # progress kept, attempt aborted; the engine is gone for good
+    WRONG_QUEUE = "wrong_queue"  # the job came from a queue the rollout was not submitted to
+    WRONG_MODEL = "wrong_model"  # earlier attempts ran another model: not for this worker
+
+
+# Outcomes after which the rollout's lease, if any, belongs to another attempt (or was never
+# taken): dropping it would let the reaper abort a live attempt elsewhere.
+_NOT_OURS = frozenset({Outcome.LOST, Outcome.DUPLICATE, Outcome.WRONG_QUEUE, Outcome.WRONG_MODEL})
 
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
     outcome: Outcome
     state: RolloutState
-    error: str | None = None  # the engine's error, for ENGINE_ERROR
+    error: str | None = None  # the engine's error (ENGINE_ERROR), or why it was refused
 
 
 @dataclass(slots=True)
@@ -97,6 +112,7 @@ class RolloutRunner:
         weight_mode: str = "abort",
         leases: Leases | None = None,
         lease_ttl_s: float = defaults.LEASE_TTL_S,
+        model_id: str | None = None,
     ) -> None:
         self.store = store
         self.checkpointer = checkpointer
@@ -107,6 +123,9 @@ class RolloutRunner:
         self.weight_mode = weight_mode
         self.leases = leases
         self.lease_ttl_s = lease_ttl_s
+        # What every attempt records as its model; the engine's own identity unless the
+        # deployment names it (e.g. vLLM servers whose model directory is not mounted here).
+        self.model_id = engine.model_id if model_id is None else model_id
         self._stop_reasons: dict[str, tuple[AbortReason, str]] = {}
         self._request_ids: dict[str, str] = {}
         self._engine_free: dict[str, Callable[[], None]] = {}
@@ -126,20 +145,25 @@ class RolloutRunner:
             await self.engine.abort(request_id)
 
     async def run(
-        self, rollout_id: str, *, on_engine_free: Callable[[], None] | None = None
+        self,
+        rollout_id: str,
+        *,
+        on_engine_free: Callable[[], None] | None = None,
+        queue: str | None = None,
     ) -> RunResult:
         """One attempt of the rollout. ``on_engine_free`` is called (at most once) when a
         finished rollout no longer needs the engine: its last events are stamped and handed to
         the group commit, and what is left (that round trip, the lease, rq's books) need not
-        keep the next rollout off the engine."""
+        keep the next rollout off the engine. ``queue``: the queue its job came from; a job
+        from any other queue than the rollout's own is refused (``WRONG_QUEUE``)."""
         self._stop_reasons.pop(rollout_id, None)  # a stop meant for an earlier run
         self.active.add(rollout_id)
         self._idle.clear()
         if on_engine_free is not None:
             self._engine_free[rollout_id] = on_engine_free
         try:
-            result = await self._run(rollout_id)
-            if self.leases is not None and result.outcome not in (Outcome.LOST, Outcome.DUPLICATE):
+            result = await self._run(rollout_id, queue)
+            if self.leases is not None and result.outcome not in _NOT_OURS:
                 # Our attempt is over: the lease goes before the job is handed back, so that the
                 # next worker's lease is never the one we drop.
                 await self.leases.drop(rollout_id)
@@ -150,10 +174,20 @@ class RolloutRunner:
             if not self.active:
                 self._idle.set()
 
-    async def _run(self, rollout_id: str) -> RunResult:
+    async def _run(self, rollout_id: str, queue: str | None) -> RunResult:
         state = await self.store.load(rollout_id)
         if state.terminal:
             return RunResult(Outcome.FINISHED, state)  # a duplicate or late job: nothing to do
+        if queue is not None and queue != state.queue:
+            return RunResult(
+                Outcome.WRONG_QUEUE,
+                state,
+                f"job on queue {queue!r}, rollout submitted to {state.queue!r}",
+            )
+        if state.model and self.model_id and state.model != self.model_id:
+            # Checked before the lease and the attempt: a refusal writes nothing. The domain
+            # refuses the attempt too (ModelMismatch), should a stale view slip past this.
+            return RunResult(Outcome.WRONG_MODEL, state, _wrong_model(state.model, self.model_id))
         if state.too_stale(self.engine.weight_version):
             return await self._cancel_stale(state)
         if self.leases is not None:
@@ -166,7 +200,15 @@ class RolloutRunner:
             # into a re-enqueue, never a live attempt nobody watches.
             await self.leases.take(rollout_id, self.lease_ttl_s)
         try:
-            state = await self._begin(state)
+            try:
+                state = await self._begin(state)
+            except ModelMismatch:
+                # Another attempt began on a different model since we loaded it; the lease
+                # is that attempt's now (its heartbeats renew it), so it is not ours to drop.
+                state = await self.store.load(rollout_id)
+                return RunResult(
+                    Outcome.WRONG_MODEL, state, _wrong_model(state.model, self.model_id)
+                )
             if state.remaining_tokens == 0:
                 # The budget was used up before an abort: finish without asking the engine.
                 done = await self._finish(state, [], FinishReason.LENGTH, None)
@@ -201,6 +243,10 @@ class RolloutRunner:
         if state.status in LIVE:
             # rq ran this job while an attempt was live (a duplicate delivery, or its worker
             # died): take over. The old attempt is fenced out from this append on.
+            log.warning(
+                "rollout %s attempt %d: taking over from worker %s (its lease lapsed)",
+                state.rollout_id, state.attempt, state.worker_id,
+            )  # fmt: skip
             events.append(
                 Aborted(
                     rollout_id=state.rollout_id,
@@ -219,6 +265,7 @@ class RolloutRunner:
             worker_id=self.worker_id,
             weight_version=self.engine.weight_version,
             weight_mode=self.weight_mode,
+            model=self.model_id,
         )
         return await self.checkpointer.append(state, [*events, begin])
 
@@ -314,7 +361,13 @@ class RolloutRunner:
     async def _abort(
         self, state: RolloutState, chunks: list[Chunk], reason: AbortReason, detail: str
     ) -> RolloutState:
-        return await self._close(state, chunks, Aborted, reason=reason, detail=detail)
+        state = await self._close(state, chunks, Aborted, reason=reason, detail=detail)
+        log.info(
+            "rollout %s attempt %d aborted on %s (%s%s): %d tokens kept",
+            state.rollout_id, state.attempt, self.worker_id, reason.value,
+            f": {detail}" if detail else "", state.num_tokens,
+        )  # fmt: skip
+        return state
 
     async def _close(
         self,

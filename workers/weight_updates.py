@@ -17,6 +17,8 @@ in the log. A worker that starts, or falls behind, loads the newest version befo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +33,10 @@ if TYPE_CHECKING:
     from workers.worker import Worker
 
 log = logging.getLogger("rollouts.weights")
+
+# Longest blocking read of the weight log: a new version is seen at once anyway (XREAD
+# returns when it is published); this only bounds how long a stop can go unnoticed.
+FOLLOW_BLOCK_S = 2.0
 
 
 class WeightMode(StrEnum):
@@ -66,11 +72,20 @@ class WeightFollower:
         if latest is not None and latest.version > self.worker.engine.weight_version:
             await self._try(latest)
 
-    async def follow(self) -> None:
-        while True:
+    async def follow(self, stop: asyncio.Event) -> None:
+        """Apply each newer version until ``stop`` is set (checked after every blocking read,
+        which lasts at most ``FOLLOW_BLOCK_S``: a lost cancel cannot keep this running)."""
+        while not stop.is_set():
             seen = max(self.worker.engine.weight_version, self.refused)
-            newer = await self.registry.wait_newer(seen, 5.0)
-            if newer is None:
+            try:
+                newer = await self.registry.wait_newer(seen, FOLLOW_BLOCK_S)
+            except Exception:
+                # Redis unreachable beyond the client's retries: keep following once it is back.
+                log.warning("cannot read the weight log; retrying", exc_info=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), FOLLOW_BLOCK_S)
+                continue
+            if newer is None or stop.is_set():
                 continue
             try:
                 await self._try(newer)

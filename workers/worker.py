@@ -14,11 +14,15 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from statemachine import Aborted, AbortReason, Failed, RolloutState
-from store import EventStore, defaults
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from statemachine import Aborted, AbortReason, CodecError, CorruptRecord, Failed, RolloutState
+from store import AppendRefused, EventStore, RolloutNotFound, defaults
 from store.connection import connect
 from store.leases import Leases
 from store.weights import WeightRegistry
@@ -27,7 +31,7 @@ from workers.engines.base import Engine
 from workers.errors import EngineDead
 from workers.reaper import Reaper
 from workers.rq_bridge import RqBridge, Running
-from workers.runner import Cadence, Outcome, RolloutRunner, Stats
+from workers.runner import Cadence, Outcome, RolloutRunner, RunResult, Stats
 from workers.weight_updates import WeightFollower, WeightMode
 
 log = logging.getLogger("rollouts.worker")
@@ -48,8 +52,10 @@ class WorkerConfig:
     heartbeat_s: float = defaults.HEARTBEAT_S  # lease renewal; rq's own heartbeat every 5th
     reap_interval_s: float = defaults.REAP_INTERVAL_S
     burst: bool = False  # exit once the queues are empty and nothing is running
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: float = defaults.SHUTDOWN_GRACE_S
     weight_mode: WeightMode = WeightMode.ABORT
+    # What attempts record as their model; None: the engine's own identity.
+    model_id: str | None = None
 
 
 class _Slot:
@@ -71,7 +77,10 @@ class Worker:
         self.config = config
         self.engine = engine
         self.stats = Stats()
-        self._stopping = asyncio.Event()
+        self._stopping = asyncio.Event()  # take no more jobs
+        self._closing = asyncio.Event()  # background loops end
+        # Failures per rollout on this worker that gave its job back (they set the backoff).
+        self._failures: dict[str, int] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.admitting = asyncio.Event()  # cleared while weights are being swapped
         self.admitting.set()
@@ -106,32 +115,40 @@ class Worker:
             weight_mode=cfg.weight_mode.value,
             leases=leases,
             lease_ttl_s=cfg.lease_ttl_s,
+            model_id=cfg.model_id,
         )
         self.store = store
         rq = self._rq = RqBridge(cfg.redis_url, list(cfg.queues), cfg.name)
         self.weights = WeightFollower(self, WeightRegistry(client), cfg.weight_mode)
         await self.weights.catch_up()
         await rq.register()
-        beat = asyncio.create_task(self._heartbeat(rq, leases))
-        follow = asyncio.create_task(self.weights.follow())
-        reaper = Reaper(store, leases, rq.queues[0])
-        reap = asyncio.create_task(reaper.run(cfg.reap_interval_s))
+        reaper = Reaper(store, leases, rq.connection)
+        # Background loops stop on this event, checked every iteration: a cancel alone can
+        # be lost inside redis-py (seen: 15 in 400 with socket_timeout set), and a worker
+        # waiting on a loop that never ends never exits.
+        closing = self._closing
+        loops = [
+            asyncio.create_task(self._heartbeat(rq, leases, closing), name="heartbeat"),
+            asyncio.create_task(self.weights.follow(closing), name="weights"),
+            asyncio.create_task(reaper.run(cfg.reap_interval_s, closing), name="reaper"),
+        ]
         log.info(
-            "worker %s on %s, up to %d rollouts at once", cfg.name, cfg.queues, cfg.max_concurrency
-        )
+            "worker %s on %s, model %s, up to %d rollouts at once",
+            cfg.name, cfg.queues, self.runner.model_id or "(unknown)", cfg.max_concurrency,
+        )  # fmt: skip
         try:
             await self._take_jobs(rq)
         finally:
-            follow.cancel()
-            reap.cancel()
+            # The heartbeat goes on while the rollouts in flight save and give their jobs back
+            # (their leases must not lapse meanwhile); everything else stops first.
+            loops[1].cancel()
+            loops[2].cancel()
             await self._shut_down(rq)
-            beat.cancel()
-            for task in (beat, follow, reap):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await checkpointer.close()
-            await rq.close()
-            await client.aclose()
+            closing.set()
+            await _stop_all(loops, defaults.LOOP_STOP_S)
+            await _bounded(checkpointer.close(), defaults.LOOP_STOP_S, "checkpointer")
+            await _bounded(rq.close(), defaults.LOOP_STOP_S, "rq registration")
+            await _bounded(client.aclose(), defaults.LOOP_STOP_S, "redis client")
         return self.stats
 
     async def _take_jobs(self, rq: RqBridge) -> None:
@@ -155,6 +172,12 @@ class Worker:
                 slots.release()
                 if self.config.burst and not self.tasks:
                     break
+                continue
+            if running.problem is not None:
+                # Not a rollout job (anyone who can write to Redis can enqueue anything): to
+                # rq's failed registry with the reason, before it takes a slot or a task.
+                slots.release()
+                await self._refuse(rq, running, running.problem)
                 continue
             slot = _Slot(slots)
             task = asyncio.create_task(self._run_job(rq, running, slot.release))
@@ -190,32 +213,141 @@ class Worker:
             # The slot frees as soon as a finished rollout's last events are stamped: the next
             # job's dequeue and start overlap this one's last round trip and rq bookkeeping
             # (about 6 round trips the engine would otherwise run one request short).
-            result = await self.runner.run(rid, on_engine_free=free_slot)
-        except Exception as exc:
-            # Redis unreachable or a bug: the rollout keeps what was saved; give the job back so
-            # another run takes the rollout over from its last checkpoint.
-            log.exception("rollout %s: %s; job returned to the queue", rid, exc)
-            with contextlib.suppress(Exception):
-                await rq.requeue(running, at_front=False)
+            result = await self.runner.run(
+                rid, on_engine_free=free_slot, queue=running.queue.name
+            )
+        except RolloutNotFound as exc:
+            # Nothing to run, now or ever: the job goes to rq's failed registry with why.
+            await self._refuse(rq, running, f"{exc}")
             return
-        outcome, state = result.outcome, result.state
+        except CorruptRecord as exc:
+            # Damaged bytes: no retry will read them. End the rollout where its snapshot still
+            # can be (so a waiting trainer sees it fail), and fail the job with the reason.
+            recorded = await self._fail_unreadable(rid, exc)
+            await self._refuse(rq, running, f"unreadable rollout: {exc}", recorded=recorded)
+            return
+        except CodecError as exc:
+            # An event type or schema newer than this code: a newer worker can run it (a
+            # rolling upgrade). Back off and give the job back.
+            await self._back_off(rq, running, free_slot, f"written by newer code: {exc}")
+            return
+        except Exception as exc:
+            # Redis unreachable for longer than the client's retries, or a bug: the rollout
+            # keeps what was saved. Give the job back after a backoff that grows with each
+            # failure of this rollout here, so nothing spins.
+            log.warning("rollout %s: run failed (%s: %s)", rid, type(exc).__name__, exc,
+                        exc_info=not _is_connection_error(exc))  # fmt: skip
+            await self._back_off(rq, running, free_slot, f"{type(exc).__name__}: {exc}")
+            return
+        self._failures.pop(rid, None)
+        await self._settle(rq, running, result, free_slot)
+
+    async def _settle(
+        self,
+        rq: RqBridge,
+        running: Running,
+        result: RunResult,
+        free_slot: Callable[[], None],
+    ) -> None:
+        """Tell rq how the attempt ended, and log what an operator should know."""
+        rid, outcome, state = running.rollout_id, result.outcome, result.state
         self.stats.outcomes[outcome] = self.stats.outcomes.get(outcome, 0) + 1
         if outcome is Outcome.ENGINE_ERROR:
-            if await self._engine_errors(rid) >= self.config.max_engine_attempts:
-                state = await self._fail(state, result.error or "engine error")
-                await rq.fail(running, f"rollout {rid} failed: {result.error}")
+            errors = await self._engine_errors(rid)
+            budget = self.config.max_engine_attempts
+            if errors >= budget:
+                await self._fail(state, result.error or "engine error", errors)
+                await self._books(rq.fail(running, f"rollout {rid} failed: {result.error}"))
                 return
-            await rq.requeue(running, at_front=False)  # another attempt, maybe elsewhere
+            log.warning(
+                "rollout %s attempt %d: engine error %d of %d on %s, retrying: %s",
+                rid, state.attempt, errors, budget, self.config.name, result.error,
+            )  # fmt: skip
+            await self._give_back(rq, running, state.queue, at_front=False)
         elif outcome is Outcome.ENGINE_DEAD:
             self.engine_died(result.error or "engine died")
-            await rq.requeue(running, at_front=True)  # first in line for a worker with an engine
+            # First in line for a worker with an engine.
+            await self._give_back(rq, running, state.queue, at_front=True)
         elif outcome is Outcome.ABORTED:
             # Shutdown or weight update: first in line for the next worker on current weights.
-            await rq.requeue(running, at_front=True)
+            await self._give_back(rq, running, state.queue, at_front=True)
+        elif outcome is Outcome.WRONG_QUEUE:
+            log.warning("rollout %s: %s; moving the job there", rid, result.error)
+            await self._give_back(rq, running, state.queue, at_front=True)
+        elif outcome is Outcome.WRONG_MODEL:
+            # Not ours to run: give it back, after a backoff, so a worker serving its model
+            # takes it (on a queue that mixes models, which the queue was not meant to).
+            await self._back_off(rq, running, free_slot, result.error or "wrong model")
+        elif outcome in (Outcome.LOST, Outcome.DUPLICATE):
+            log.info(
+                "rollout %s: job %s superseded (%s): attempt %d of worker %s owns it",
+                rid, running.job.id, outcome.value, state.attempt, state.worker_id,
+            )  # fmt: skip
+            await self._books(rq.supersede(running))
         else:
-            await rq.succeed(
-                running, {"rollout_id": rid, "status": state.status.value, "outcome": outcome.value}
+            await self._books(
+                rq.succeed(
+                    running,
+                    {"rollout_id": rid, "status": state.status.value, "outcome": outcome.value},
+                )
             )
+
+    async def _refuse(
+        self, rq: RqBridge, running: Running, reason: str, *, recorded: bool = False
+    ) -> None:
+        self.stats.outcomes["refused"] = self.stats.outcomes.get("refused", 0) + 1
+        log.error(
+            "job %s (rollout %s) refused%s: %s",
+            running.job.id, running.rollout_id or "?",
+            ", rollout recorded as failed" if recorded else "", reason,
+        )  # fmt: skip
+        await self._books(rq.fail(running, reason))
+
+    async def _fail_unreadable(self, rid: str, exc: CodecError) -> bool:
+        try:
+            return await self.store.fail_unreadable(rid, f"unreadable record: {exc}")
+        except Exception:
+            # Its snapshot is damaged too (or Redis went away): the failed job says why.
+            log.warning("rollout %s: cannot record the failure", rid, exc_info=True)
+            return False
+
+    async def _back_off(
+        self, rq: RqBridge, running: Running, free_slot: Callable[[], None] | None, why: str
+    ) -> None:
+        """Hold the job for a backoff that doubles with each failure of its rollout on this
+        worker (capped), then give it back. The slot is freed meanwhile: other rollouts run."""
+        if free_slot is not None:
+            free_slot()
+        rid = running.rollout_id
+        n = self._failures[rid] = self._failures.get(rid, 0) + 1
+        delay = min(defaults.REQUEUE_BACKOFF_MAX_S, defaults.REQUEUE_BACKOFF_S * 2 ** (n - 1))
+        log.warning("rollout %s: %s; job back on the queue in %.1f s (failure %d here)",
+                    rid, why, delay, n)  # fmt: skip
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
+        queue = None
+        with contextlib.suppress(Exception):
+            # The rollout's own queue, when it can be read; else the job's.
+            queue = (await self.store.load(rid)).queue
+        await self._give_back(rq, running, queue, at_front=False)
+
+    async def _give_back(
+        self, rq: RqBridge, running: Running, queue: str | None, *, at_front: bool
+    ) -> None:
+        if await self._books(rq.requeue(running, at_front=at_front, queue=queue)):
+            log.debug("rollout %s: job back on %s", running.rollout_id, queue)
+
+    async def _books(self, call: Awaitable[None]) -> bool:
+        """One piece of rq bookkeeping; False (logged) if Redis stayed unreachable through
+        the client's retries. The rollout itself is safe either way: its lease, if any,
+        lapses and the reaper gives it back."""
+        try:
+            await call
+            return True
+        except Exception:
+            # Only Redis errors get here (the bridge's calls are rq's own bookkeeping).
+            log.error("rq bookkeeping failed; the job stays as rq last saw it", exc_info=True)
+            return False
 
     async def _engine_errors(self, rollout_id: str) -> int:
         """Attempts of the rollout that the engine failed on.
@@ -234,15 +366,23 @@ class Worker:
             and not e.detail.startswith(f"{EngineDead.__name__}:")  # the runner's wording
         )
 
-    async def _fail(self, state: RolloutState, error: str) -> RolloutState:
+    async def _fail(self, state: RolloutState, error: str, errors: int) -> None:
         event = Failed(
             rollout_id=state.rollout_id, seq=state.seq + 1, error=error, attempts=state.attempt
         )
-        return await self.store.append(state, event)
+        try:
+            await self.store.append(state, event)
+        except AppendRefused:
+            # It moved on meanwhile (cancelled, or taken over): nothing of ours to record.
+            return
+        log.error(
+            "rollout %s attempt %d: failed after %d engine errors on %s: %s",
+            state.rollout_id, state.attempt, errors, self.config.name, error,
+        )  # fmt: skip
 
-    async def _heartbeat(self, rq: RqBridge, leases: Leases) -> None:
+    async def _heartbeat(self, rq: RqBridge, leases: Leases, stop: asyncio.Event) -> None:
         beats = 0
-        while True:
+        while not stop.is_set():
             try:
                 # Every lease this worker holds, renewed in one command.
                 await leases.renew(self.runner.active, self.config.lease_ttl_s)
@@ -252,7 +392,8 @@ class Worker:
                 # A missed beat is survivable (the TTLs span several); keep beating.
                 log.warning("heartbeat failed", exc_info=True)
             beats += 1
-            await asyncio.sleep(self.config.heartbeat_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.heartbeat_s)
 
     async def _shut_down(self, rq: RqBridge) -> None:
         tasks = list(self.tasks.values())
@@ -260,7 +401,36 @@ class Worker:
             return
         log.info("stopping %d rollouts: progress is saved and their jobs requeued", len(tasks))
         for running in list(rq.running.values()):
-            await self.runner.stop(running.rollout_id, AbortReason.SHUTDOWN)
+            if running.rollout_id:
+                await self.runner.stop(running.rollout_id, AbortReason.SHUTDOWN)
         _, pending = await asyncio.wait(tasks, timeout=self.config.shutdown_grace_s)
-        for task in pending:
-            task.cancel()
+        if pending:
+            log.warning("%d rollouts did not save within %.0f s; cancelling them",
+                        len(pending), self.config.shutdown_grace_s)  # fmt: skip
+            await _stop_all(list(pending), defaults.LOOP_STOP_S)
+
+
+async def _stop_all(tasks: list[asyncio.Task[Any]], timeout_s: float) -> None:
+    """Cancel ``tasks`` and wait for them, at most ``timeout_s``: a task that swallowed its
+    cancel is logged and left behind rather than waited for forever."""
+    for task in tasks:
+        task.cancel()
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        log.error("task %s did not stop within %.1f s; leaving it", task.get_name(), timeout_s)
+
+
+async def _bounded(step: Awaitable[Any], timeout_s: float, what: str) -> None:
+    """One shutdown step, at most ``timeout_s``; its failure is logged, never raised (the
+    process is going away; nothing else must be skipped for it)."""
+    try:
+        await asyncio.wait_for(step, timeout_s)
+    except TimeoutError:
+        log.error("closing the %s took over %.1f s; going on", what, timeout_s)
+    except Exception:
+        # Redis gone during shutdown: whatever is left is recovered by leases and the reaper.
+        log.warning("closing the %s failed", what, exc_info=True)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    return isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError)

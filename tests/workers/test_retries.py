@@ -34,9 +34,9 @@ async def _history(store: EventStore, rid: str, prompt: tuple[int, ...], aborts:
 
 
 async def _run_burst(server: RedisServer, engine: SyntheticEngine, rids: list[str]) -> None:
-    enqueue_rollouts(rollout_queue(connect_sync(server.url), "retries"), rids)
+    enqueue_rollouts(rollout_queue(connect_sync(server.url)), rids)
     config = WorkerConfig(
-        redis_url=server.url, queues=("retries",), burst=True, max_engine_attempts=3
+        redis_url=server.url, burst=True, max_engine_attempts=3
     )
     await Worker(config, engine).run()
 
@@ -98,8 +98,8 @@ async def test_a_worker_starting_behind_a_refused_checkpoint_serves_on_what_it_h
     await WeightRegistry(client).publish(1, str(tmp_path / "missing"))
     await _history(store, "r", (1, 2, 3), [])
     engine = PickyEngine()
-    config = WorkerConfig(redis_url=server.url, queues=("retries",), burst=True)
-    enqueue_rollouts(rollout_queue(connect_sync(server.url), "retries"), ["r"])
+    config = WorkerConfig(redis_url=server.url, burst=True)
+    enqueue_rollouts(rollout_queue(connect_sync(server.url)), ["r"])
     worker = Worker(config, engine)
     await worker.run()
     state = await store.load("r")

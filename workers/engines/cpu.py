@@ -46,6 +46,7 @@ from statemachine.codec import unpack_array
 from statemachine.states import FinishReason
 from workers.engines.base import Chunk, EngineRequest
 from workers.engines.cpu_wire import FrameReader, write_frame
+from workers.engines.identity import model_identity
 from workers.errors import (
     EngineClosed,
     EngineDead,
@@ -103,6 +104,7 @@ class CpuEngine:
         # loop and Redis (measured: with all cores, durable/direct fell to ~0.7).
         threads = threads or max(1, (os.cpu_count() or 2) - 1)
         self._source = str(model_dir)
+        self._model_id = model_identity(model_dir)
         self._weight_version = weight_version
         self._serials = itertools.count()
         self._tokens = itertools.count()
@@ -141,6 +143,11 @@ class CpuEngine:
     @property
     def weight_version(self) -> int:
         return self._weight_version
+
+    @property
+    def model_id(self) -> str:
+        """The model's identity (``workers.engines.identity``), recorded by every attempt."""
+        return self._model_id
 
     @property
     def source(self) -> str:

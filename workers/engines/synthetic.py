@@ -50,6 +50,12 @@ class SyntheticEngine:
     def weight_version(self) -> int:
         return self._weight_version
 
+    @property
+    def model_id(self) -> str:
+        # Its "model" is the shape of what it emits: two synthetic engines that would give a
+        # rollout different tokens or routes are different models.
+        return f"synthetic:vocab{self.vocab}-experts{self.experts}x{self.layers}x{self.top_k}"
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         if self._closed:
             raise EngineClosed("engine is closed")

@@ -39,6 +39,7 @@ from workers.engines.http_pool import (
     marks_unhealthy,
     raise_for_status,
 )
+from workers.engines.identity import config_identity
 from workers.engines.vllm_common import (
     ABORT,
     check_prompt,
@@ -113,6 +114,12 @@ class VllmHttpEngine:
     @property
     def weight_version(self) -> int:
         return self._weight_version
+
+    @property
+    def model_id(self) -> str:
+        """The servers' model identity, from ``model_dir``; "" (unknown: no check against
+        other attempts) without one. ``rollouts worker --model-id`` can name it instead."""
+        return "" if self._config is None else config_identity(self._config)
 
     @property
     def in_flight(self) -> list[str]:

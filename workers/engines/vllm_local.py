@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from workers.engines.base import Chunk, EngineRequest, expert_dtype
+from workers.engines.identity import config_identity
 from workers.engines.vllm_common import (
     ABORT,
     check_prompt,
@@ -145,6 +146,11 @@ class VllmEngine:
     @property
     def weight_version(self) -> int:
         return self._weight_version
+
+    @property
+    def model_id(self) -> str:
+        """The model's identity (``workers.engines.identity``), recorded by every attempt."""
+        return config_identity(self._config)
 
     @property
     def in_flight(self) -> list[str]:

@@ -20,10 +20,21 @@ from statemachine.states import FinishReason
 from workers.errors import WireFormatError
 
 # What vLLM 0.32 sends for routed experts (`numpy2base64`: uint8/uint16/int32 by expert
-# count) plus the wider unsigned types our own packed form may use. Never object/float.
-ROUTE_DTYPES = frozenset(
-    np.dtype(t).str for t in ("<u1", "<u2", "<u4", "<u8", "<i1", "<i2", "<i4", "<i8")
-)
+# count) plus the wider unsigned types our own packed form may use. Never object/float, never
+# big-endian (the wire is little-endian throughout).
+_ROUTE_TYPES = ("<u1", "<u2", "<u4", "<u8", "<i1", "<i2", "<i4", "<i8")
+ROUTE_DTYPES = frozenset(np.dtype(t).str for t in _ROUTE_TYPES)
+# The spellings the packed form's "dtype" may use: "|u1"/"<u2" (`dtype.str`, what
+# encode_routed_experts writes), "<u1", "u1" and "uint8". A fixed table, not np.dtype(text):
+# numpy's dtype parser takes arbitrary text and fails with SyntaxError, ValueError or TypeError.
+_PACKED_DTYPES = {
+    spelling: np.dtype(t)
+    for t in _ROUTE_TYPES
+    for spelling in (np.dtype(t).str, t, t[1:], np.dtype(t).name)
+}
+# Token ids are int32 on every layer (statemachine.arrays.TOKEN_DTYPE); expert ids and array
+# dimensions are bounded the same way, which also keeps an empty array's shape sane.
+_INT32_LIMIT = 2**31
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,7 +85,11 @@ def server_request_id(request_id: str) -> str:
 
 def parse_sse_line(line: bytes) -> dict[str, Any] | None:
     """One `data: {...}` event as a dict; None for blank lines, comments and `[DONE]`."""
-    text = line.decode("utf-8", errors="strict").strip()
+    try:
+        text = line.decode("utf-8", errors="strict").strip()
+    except UnicodeDecodeError as exc:
+        # A corrupted stream: the server only ever sends UTF-8 JSON.
+        raise WireFormatError(f"event stream line is not UTF-8: {exc}") from exc
     if not text or text.startswith(":"):
         return None
     if not text.startswith("data:"):
@@ -85,8 +100,11 @@ def parse_sse_line(line: bytes) -> dict[str, Any] | None:
     try:
         event = json.loads(payload)
     except ValueError as exc:
-        # A cut or corrupted event: refuse it rather than guess.
+        # A cut or corrupted event (or an int of more digits than Python converts): refuse it.
         raise WireFormatError(f"event is not JSON: {payload[:80]!r}") from exc
+    except RecursionError as exc:
+        # Arrays nested thousands deep: no answer of ours looks like that.
+        raise WireFormatError("event is nested too deeply") from exc
     if not isinstance(event, dict):
         raise WireFormatError("event is not a JSON object")
     return event
@@ -97,8 +115,10 @@ def decode_choice(event: dict[str, Any]) -> GenerateResult | None:
 
     Raises WireFormatError for malformed input, EngineError-compatible "error" events too.
     """
+    if not isinstance(event, dict):
+        raise WireFormatError(f"event is not an object: {_describe(event)}")
     if "error" in event:
-        raise WireFormatError(f"server reported an error: {event['error']}")
+        raise WireFormatError(f"server reported an error: {_describe(event['error'])}")
     choices = event.get("choices")
     if not isinstance(choices, list):
         raise WireFormatError("response has no choices list")
@@ -107,14 +127,12 @@ def decode_choice(event: dict[str, Any]) -> GenerateResult | None:
     choice = choices[0]
     if not isinstance(choice, dict):
         raise WireFormatError("choice is not an object")
-    ids = choice.get("token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise WireFormatError("token_ids must be a list of non-negative ints")
+    ids = _token_ids(choice.get("token_ids"))
     logprobs = _sampled_logprobs(choice.get("logprobs"), ids)
     routed = choice.get("routed_experts")
     stop = choice.get("stop_reason")
-    if stop is not None and not isinstance(stop, int | str):
-        raise WireFormatError("stop_reason must be an int, a string or null")
+    if not (stop is None or isinstance(stop, str) or _is_token_id(stop)):
+        raise WireFormatError("stop_reason must be a token id, a string or null")
     finish = choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
         raise WireFormatError("finish_reason must be a string or null")
@@ -127,23 +145,53 @@ def decode_choice(event: dict[str, Any]) -> GenerateResult | None:
     )
 
 
+def _is_token_id(value: Any) -> bool:
+    # bool is an int subclass: `true` is never a token id.
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _INT32_LIMIT
+
+
+def _token_ids(value: Any) -> list[int]:
+    # A choice without tokens (null or absent) carries none; any other non-list is malformed.
+    ids = [] if value is None else value
+    if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
+        raise WireFormatError(f"token_ids must be a list of int32 token ids: {_describe(value)}")
+    return ids
+
+
 def _sampled_logprobs(logprobs: Any, ids: list[int]) -> np.ndarray:
     """`logprobs.content[i].logprob` of the sampled token at each position (sent first)."""
     if not ids:
         return np.zeros(0, dtype=np.float32)
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
     if not isinstance(content, list) or len(content) != len(ids):
-        raise WireFormatError(f"expected {len(ids)} logprob entries, got {content!r:.80}")
+        raise WireFormatError(f"expected {len(ids)} logprob entries, got {_describe(content)}")
     out = np.empty(len(ids), dtype=np.float32)
     for i, (entry, token) in enumerate(zip(content, ids, strict=True)):
-        if not isinstance(entry, dict) or entry.get("token_id") != token:
+        found = entry.get("token_id") if isinstance(entry, dict) else None
+        if not _is_token_id(found) or found != token:
             raise WireFormatError(f"logprob entry {i} is not for the sampled token {token}")
         value = entry.get("logprob")
-        if not isinstance(value, int | float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise WireFormatError(f"logprob entry {i} has no numeric logprob")
-        # Non-finite values pass through: the worker clamps and counts them.
-        out[i] = value
+        try:
+            as_float = float(value)
+        except OverflowError as exc:
+            # An int beyond the float range: no log-probability is that large.
+            raise WireFormatError(f"logprob entry {i} is out of range") from exc
+        # Non-finite values (and floats beyond float32, which become inf) pass through: the
+        # worker clamps and counts them.
+        with np.errstate(over="ignore"):
+            out[i] = as_float
     return out
+
+
+def _describe(value: Any) -> str:
+    """A short text of a wire value for an error message, for any value at all."""
+    try:
+        return f"{value!r:.80}"
+    except ValueError:
+        # repr() of an int of more than 4,300 digits raises (Python's int-to-str limit).
+        return f"<unprintable {type(value).__name__}>"
 
 
 def decode_routed_experts(value: Any) -> np.ndarray:
@@ -180,11 +228,14 @@ def _b64(text: str) -> bytes:
         raise WireFormatError(f"routed_experts is not valid base64: {exc}") from exc
 
 
-def _check(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> None:
+def _check(shape: tuple[Any, ...], dtype: np.dtype, nbytes: int) -> None:
     if dtype.str not in ROUTE_DTYPES:
         raise WireFormatError(f"routed_experts dtype {dtype.str!r} is not an integer type")
-    if len(shape) != 3 or any(d < 0 for d in shape):
-        raise WireFormatError(f"routed_experts shape {shape} is not [positions, layers, top_k]")
+    if len(shape) != 3 or not all(_is_token_id(d) for d in shape):
+        # Dimensions are bounded like ids: an empty array may not claim 2**63 layers.
+        raise WireFormatError(
+            f"routed_experts shape {_describe(shape)} is not [positions, layers, top_k]"
+        )
     expected = math.prod(shape) * dtype.itemsize
     if nbytes != expected:
         raise WireFormatError(
@@ -196,32 +247,45 @@ def _from_npy(raw: bytes) -> np.ndarray:
     buf = io.BytesIO(raw)
     try:
         version = np.lib.format.read_magic(buf)  # type: ignore[no-untyped-call]
-        read_header = (
-            np.lib.format.read_array_header_1_0
-            if version == (1, 0)
-            else np.lib.format.read_array_header_2_0
-        )
-        shape, fortran, dtype = read_header(buf)  # type: ignore[no-untyped-call]
-    except (ValueError, OSError, SyntaxError) as exc:
-        # Not an .npy header (numpy raises ValueError for bad magic or header text).
+        read_header = _NPY_HEADER_READERS[version]
+        shape, fortran, dtype = read_header(buf)
+    except KeyError as exc:
+        # A format version numpy never wrote (1.0 is what np.save writes for our arrays).
+        raise WireFormatError(f"routed_experts .npy version {exc} is unknown") from exc
+    except Exception as exc:
+        # numpy evaluates the header text as a Python literal and raises whatever that raises
+        # (ValueError, SyntaxError, TypeError, tokenize.TokenError, ...): any failure means
+        # the bytes are not an .npy header we take.
         raise WireFormatError(f"routed_experts is not an .npy array: {exc}") from exc
-    if fortran:
+    if fortran is not False:
         raise WireFormatError("routed_experts in Fortran order is not accepted")
-    _check(tuple(shape), np.dtype(dtype), len(raw) - buf.tell())
-    return np.frombuffer(raw, dtype=dtype, offset=buf.tell()).reshape(shape)
+    return _array(raw[buf.tell() :], tuple(shape), dtype)
 
 
-def _from_packed(value: dict[str, Any]) -> np.ndarray:
-    data, shape, dtype = value.get("data"), value.get("shape"), value.get("dtype")
+_NPY_HEADER_READERS = {
+    (1, 0): np.lib.format.read_array_header_1_0,
+    (2, 0): np.lib.format.read_array_header_2_0,
+}
+
+
+def _from_packed(value: dict[Any, Any]) -> np.ndarray:
+    if set(value) != {"data", "shape", "dtype"}:
+        keys = sorted(map(_describe, value))
+        raise WireFormatError(f"packed routed_experts has keys {keys}, not data, shape, dtype")
+    data, shape, dtype = value["data"], value["shape"], value["dtype"]
     if not isinstance(data, str) or not isinstance(shape, list) or not isinstance(dtype, str):
         raise WireFormatError("packed routed_experts needs data (str), shape (list), dtype (str)")
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise WireFormatError(f"routed_experts shape {shape} is not a list of ints")
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        # np.dtype raises TypeError for names it does not know.
-        raise WireFormatError(f"routed_experts dtype {dtype!r} is unknown") from exc
-    raw = _b64(data)
-    _check(tuple(shape), dt, len(raw))
-    return np.frombuffer(raw, dtype=dt).reshape(shape)
+    dt = _PACKED_DTYPES.get(dtype)
+    if dt is None:
+        raise WireFormatError(f"routed_experts dtype {dtype!r} is unknown or not an integer type")
+    return _array(_b64(data), tuple(shape), dt)
+
+
+def _array(raw: bytes, shape: tuple[Any, ...], dtype: np.dtype) -> np.ndarray:
+    """The checked [positions, layers, top_k] array over `raw`; expert ids are never negative."""
+    _check(shape, dtype, len(raw))
+    arr = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    if dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+        # vLLM's ids index the expert table; SkyRL's decoder refuses negatives too.
+        raise WireFormatError("routed_experts holds a negative expert id")
+    return arr
