@@ -58,6 +58,10 @@ DEQUEUE_TIMEOUT_S = 1
 # requeues in a hot loop (before: ~300 requeues/s of one unloadable job, on every worker).
 REQUEUE_BACKOFF_S = 1.0
 REQUEUE_BACKOFF_MAX_S = 60.0
+# How long a worker keeps retrying rq's bookkeeping of a job (requeue, success, failure)
+# through a Redis outage: well past the client's own ~15 s of retries and past rq's 60 s
+# execution TTL, after which rq would call the job abandoned.
+BOOKS_RETRY_S = 300.0
 
 # -- clients ------------------------------------------------------------------------------------
 # How often ``wait`` re-reads the status of rollouts still running; one pipelined round trip

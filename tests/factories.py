@@ -35,23 +35,29 @@ def submitted(rid: str = "r1", max_tokens: int = 16, **kw: Any) -> Submitted:
     return Submitted(rollout_id=rid, seq=1, request=request(max_tokens, **kw))
 
 
-def started(s: RolloutState, worker: str = "w1", version: int = 0) -> Started:
+def started(
+    s: RolloutState, worker: str = "w1", version: int = 0, model: str = ""
+) -> Started:
     return Started(
         rollout_id=s.rollout_id,
         seq=s.seq + 1,
         attempt=s.attempt + 1,
         worker_id=worker,
         weight_version=version,
+        model=model,
     )
 
 
-def resumed(s: RolloutState, worker: str = "w2", version: int = 0) -> Resumed:
+def resumed(
+    s: RolloutState, worker: str = "w2", version: int = 0, model: str = ""
+) -> Resumed:
     return Resumed(
         rollout_id=s.rollout_id,
         seq=s.seq + 1,
         attempt=s.attempt + 1,
         worker_id=worker,
         weight_version=version,
+        model=model,
     )
 
 

@@ -239,10 +239,10 @@ class RqBridge:
             if ours or (status == b"failed" and even_if_failed):
                 fn()
 
-        try:
-            await self._books(guarded)
-        finally:
-            self.running.pop(r.execution.id, None)
+        await self._books(guarded)
+        # Only once rq has it: until then the heartbeat keeps the execution alive, so a call
+        # retried through an outage is not beaten by rq declaring the job abandoned.
+        self.running.pop(r.execution.id, None)
 
     def _idle_if_empty(self) -> None:
         if not self.worker.executions:
@@ -252,6 +252,7 @@ class RqBridge:
         try:
             await self._books(self.worker.register_death)
         finally:
-            self._bk.shutdown(wait=True)
+            # Not waiting: a thread stuck in a Redis call must not block the event loop on exit.
+            self._bk.shutdown(wait=False, cancel_futures=True)
             self._dq.shutdown(wait=False, cancel_futures=True)
             self.connection.close()

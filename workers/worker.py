@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -239,7 +240,8 @@ class Worker:
                         exc_info=not _is_connection_error(exc))  # fmt: skip
             await self._back_off(rq, running, free_slot, f"{type(exc).__name__}: {exc}")
             return
-        self._failures.pop(rid, None)
+        if result.outcome is not Outcome.WRONG_MODEL:
+            self._failures.pop(rid, None)  # it ran (or ended): its backoff starts over
         await self._settle(rq, running, result, free_slot)
 
     async def _settle(
@@ -257,7 +259,7 @@ class Worker:
             budget = self.config.max_engine_attempts
             if errors >= budget:
                 await self._fail(state, result.error or "engine error", errors)
-                await self._books(rq.fail(running, f"rollout {rid} failed: {result.error}"))
+                await self._books(lambda: rq.fail(running, f"rollout {rid} failed: {result.error}"))
                 return
             log.warning(
                 "rollout %s attempt %d: engine error %d of %d on %s, retrying: %s",
@@ -283,14 +285,10 @@ class Worker:
                 "rollout %s: job %s superseded (%s): attempt %d of worker %s owns it",
                 rid, running.job.id, outcome.value, state.attempt, state.worker_id,
             )  # fmt: skip
-            await self._books(rq.supersede(running))
+            await self._books(lambda: rq.supersede(running))
         else:
-            await self._books(
-                rq.succeed(
-                    running,
-                    {"rollout_id": rid, "status": state.status.value, "outcome": outcome.value},
-                )
-            )
+            summary = {"rollout_id": rid, "status": state.status.value, "outcome": outcome.value}
+            await self._books(lambda: rq.succeed(running, summary))
 
     async def _refuse(
         self, rq: RqBridge, running: Running, reason: str, *, recorded: bool = False
@@ -301,7 +299,7 @@ class Worker:
             running.job.id, running.rollout_id or "?",
             ", rollout recorded as failed" if recorded else "", reason,
         )  # fmt: skip
-        await self._books(rq.fail(running, reason))
+        await self._books(lambda: rq.fail(running, reason))
 
     async def _fail_unreadable(self, rid: str, exc: CodecError) -> bool:
         try:
@@ -334,20 +332,33 @@ class Worker:
     async def _give_back(
         self, rq: RqBridge, running: Running, queue: str | None, *, at_front: bool
     ) -> None:
-        if await self._books(rq.requeue(running, at_front=at_front, queue=queue)):
+        if await self._books(lambda: rq.requeue(running, at_front=at_front, queue=queue)):
             log.debug("rollout %s: job back on %s", running.rollout_id, queue)
 
-    async def _books(self, call: Awaitable[None]) -> bool:
-        """One piece of rq bookkeeping; False (logged) if Redis stayed unreachable through
-        the client's retries. The rollout itself is safe either way: its lease, if any,
-        lapses and the reaper gives it back."""
-        try:
-            await call
-            return True
-        except Exception:
-            # Only Redis errors get here (the bridge's calls are rq's own bookkeeping).
-            log.error("rq bookkeeping failed; the job stays as rq last saw it", exc_info=True)
-            return False
+    async def _books(self, call: Callable[[], Awaitable[None]]) -> bool:
+        """One piece of rq bookkeeping, retried with backoff through a Redis outage longer
+        than the client's own retries: a job left "started" with nobody heartbeating it is
+        later declared abandoned and failed by rq, whatever became of its rollout. Gives up
+        (logged, False) after ``BOOKS_RETRY_S``, or ``LOOP_STOP_S`` once stopping. Every call
+        is safe to repeat: the bridge acts only on a job still started by this execution."""
+        deadline = time.monotonic() + defaults.BOOKS_RETRY_S
+        delay = defaults.REQUEUE_BACKOFF_S
+        while True:
+            try:
+                await call()
+                return True
+            except Exception:
+                # Redis unreachable (rq's own bookkeeping raises nothing else here).
+                left = deadline - time.monotonic()
+                if self._stopping.is_set():
+                    left = min(left, defaults.LOOP_STOP_S)
+                if left <= 0:
+                    log.error("rq bookkeeping failed; the job stays as rq last saw it",
+                              exc_info=True)  # fmt: skip
+                    return False
+                log.warning("rq bookkeeping failed; retrying in %.1f s", delay)
+                await asyncio.sleep(min(delay, left))
+                delay = min(2 * delay, defaults.REQUEUE_BACKOFF_MAX_S)
 
     async def _engine_errors(self, rollout_id: str) -> int:
         """Attempts of the rollout that the engine failed on.

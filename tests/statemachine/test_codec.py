@@ -10,14 +10,18 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from statemachine import (
+    DEFAULT_QUEUE,
     Aborted,
     AbortReason,
     CodecError,
     CorruptRecord,
     Event,
+    Started,
+    Submitted,
     TokensAppended,
     UnknownEventType,
     UnsupportedSchema,
+    apply,
     codec,
 )
 from tests import factories as f
@@ -187,3 +191,39 @@ def test_no_pickle_anywhere() -> None:
         for path in (root / pkg).rglob("*.py"):
             text = path.read_text()
             assert "import pickle" not in text and "cPickle" not in text, path
+
+
+def test_v1_records_load_with_the_queue_and_model_they_could_not_record() -> None:
+    # Records written before the queue and the model were recorded (issue 11) still load.
+    request = f.request().to_dict()
+    sub = codec.decode(_forge(["submitted", 1, "r", 1, 0.0, {"request": request,
+                                                             "admitted_version": 0}]))  # fmt: skip
+    assert isinstance(sub, Submitted) and sub.queue == DEFAULT_QUEUE
+    start = codec.decode(
+        _forge(["started", 1, "r", 2, 0.0,
+                {"attempt": 1, "worker_id": "w", "weight_version": 0, "weight_mode": "abort"}])
+    )  # fmt: skip
+    assert isinstance(start, Started) and start.model == ""
+    # A v1 snapshot head (13 fields, no model) decodes with the model unknown.
+    first = apply(None, f.submitted("r"))
+    state = apply(first, f.started(first))
+    v2 = msgpack.unpackb(codec.encode_snapshot(state)[5:])
+    assert v2[0] == codec.SNAPSHOT_SCHEMA == 2 and len(v2) == 14
+    import zlib
+
+    body = msgpack.packb([1, *v2[1:13]], use_bin_type=True)
+    v1 = b"S" + zlib.crc32(body).to_bytes(4, "little") + body
+    old = codec.decode_snapshot(v1, f.submitted("r"))
+    assert old.model == "" and old.seq == state.seq and old.status == state.status
+
+
+def test_queue_and_model_round_trip() -> None:
+    sub = Submitted(rollout_id="r", seq=1, request=f.request(), queue="qk")
+    assert codec.decode(codec.encode(sub)) == sub
+    state = apply(None, sub)
+    begin = Started(rollout_id="r", seq=2, attempt=1, worker_id="w", weight_version=0,
+                    model="qwen3:abc")  # fmt: skip
+    assert codec.decode(codec.encode(begin)) == begin
+    state = apply(state, begin)
+    back = codec.decode_snapshot(codec.encode_snapshot(state), sub)
+    assert (back.queue, back.model) == ("qk", "qwen3:abc")

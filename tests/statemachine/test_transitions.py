@@ -256,3 +256,21 @@ def test_statemachine_imports_no_io_or_ml_libraries() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_an_attempt_on_another_model_is_refused_and_changes_nothing() -> None:
+    from statemachine import ModelMismatch
+
+    s = apply(None, f.submitted("r"))
+    s = apply(s, f.started(s, model="qwen3_moe:aaa"))
+    s = apply(s, f.tokens(s))
+    s = apply(s, f.aborted(s))
+    assert s.model == "qwen3_moe:aaa"
+    with pytest.raises(ModelMismatch, match="would run model 'qwen3:bbb'"):
+        apply(s, f.resumed(s, model="qwen3:bbb"))
+    # The same model resumes; an unrecorded model ("": written before models were recorded,
+    # or a deployment that cannot name it) cannot be checked and is let through.
+    assert apply(s, f.resumed(s, model="qwen3_moe:aaa")).model == "qwen3_moe:aaa"
+    assert apply(s, f.resumed(s, model="")).model == "qwen3_moe:aaa"
+    unknown = apply(apply(None, f.submitted("u")), f.started(apply(None, f.submitted("u"))))
+    assert unknown.model == ""

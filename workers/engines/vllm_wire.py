@@ -248,7 +248,7 @@ def _from_npy(raw: bytes) -> np.ndarray:
     try:
         version = np.lib.format.read_magic(buf)  # type: ignore[no-untyped-call]
         read_header = _NPY_HEADER_READERS[version]
-        shape, fortran, dtype = read_header(buf)
+        shape, fortran, dtype = read_header(buf)  # type: ignore[no-untyped-call]
     except KeyError as exc:
         # A format version numpy never wrote (1.0 is what np.save writes for our arrays).
         raise WireFormatError(f"routed_experts .npy version {exc} is unknown") from exc
