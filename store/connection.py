@@ -1,20 +1,47 @@
-"""Redis clients that ride out dropped connections and restarts.
+"""Redis clients that ride out dropped connections and restarts, and fail at once otherwise.
 
 Every command is retried on connection errors and timeouts with capped exponential backoff
 and jitter, for up to about ``RETRY_WINDOW_S``. That is safe for everything this project sends:
 appends are idempotent (a repeated record is recognised), reads have no effect, and lease
 renewals only move expiries forward. Longer outages surface as errors to the caller's own loop.
+
+A wrong or missing password, a missing ACL permission or database is not an outage: no retry
+will fix it, so it is raised on the first attempt (it used to take 13-33 s of retries).
+
+Where the URL comes from (``resolve_url``) and how it is shown (``redact``) live here too, so
+no password reaches a command line, a log line or an error message.
 """
 
 from __future__ import annotations
+
+import os
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar, overload
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import EqualJitterBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ExternalAuthProviderError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
+
+from store.errors import InvalidRedisUrl
+
+# Used when no URL is given on the command line, in a file or in the environment.
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+# The environment variable a URL (with its password) may come from instead of the command line,
+# where every user of the machine sees it in `ps`.
+URL_ENV = "ROLLOUTS_REDIS_URL"
 
 # 12 retries with backoff capped at 2 s: about 15 s of outage, e.g. a redis-server restart
 # that replays its AOF.
@@ -23,12 +50,55 @@ BACKOFF = (2.0, 0.05)  # cap, base (seconds)
 SOCKET_TIMEOUT_S = 10.0
 RETRY_WINDOW_S = 15.0
 _ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionResetError, OSError)
+# redis-py makes AuthenticationError (WRONGPASS, NOAUTH) and AuthorizationError subclasses of
+# ConnectionError, so a plain Retry retries them like a dropped connection. ResponseError
+# (an unknown database, NOPERM, AuthenticationWrongNumberOfArgsError) is never retried by
+# redis-py; it is listed so the rule reads whole here.
+FATAL = (AuthenticationError, AuthorizationError, ExternalAuthProviderError, ResponseError)
+
+T = TypeVar("T")
+
+
+def retryable(error: Exception) -> bool:
+    """Whether another attempt could succeed: outages yes, refused credentials never."""
+    return not isinstance(error, FATAL)
+
+
+def _both(other: Callable[[Exception], bool] | None) -> Callable[[Exception], bool]:
+    return lambda error: retryable(error) and (other is None or other(error))
+
+
+class _Retry(Retry):
+    """redis-py's Retry, minus errors no retry can fix. Every call site inside redis-py (the
+    connect handshake, each command, health checks) goes through ``call_with_retry``."""
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        return super().call_with_retry(do, fail, _both(is_retryable), with_failure_count)
+
+
+class _AsyncRetry(AsyncRetry):
+    """The same for the asyncio client."""
+
+    async def call_with_retry(
+        self,
+        do: Callable[[], Awaitable[T]],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        return await super().call_with_retry(do, fail, _both(is_retryable), with_failure_count)
 
 
 def connect(url: str) -> aredis.Redis:
     return aredis.Redis.from_url(
         url,
-        retry=AsyncRetry(EqualJitterBackoff(*BACKOFF), RETRIES),
+        retry=_AsyncRetry(EqualJitterBackoff(*BACKOFF), RETRIES),
         retry_on_error=list(_ERRORS),
         socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=2.0,
@@ -39,9 +109,80 @@ def connect(url: str) -> aredis.Redis:
 def connect_sync(url: str) -> redis.Redis:
     return redis.Redis.from_url(
         url,
-        retry=Retry(EqualJitterBackoff(*BACKOFF), RETRIES),
+        retry=_Retry(EqualJitterBackoff(*BACKOFF), RETRIES),
         retry_on_error=list(_ERRORS),
         socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=2.0,
         health_check_interval=10,
     )
+
+
+_QUERY_PASSWORD = re.compile(r"(?i)(^|&)(password=)[^&]*")
+
+
+def redact(url: str) -> str:
+    """``url`` fit for a log line: the password (userinfo or ``?password=``) becomes ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        # e.g. an unclosed IPv6 bracket: showing any of it could show the password.
+        return "<unparseable Redis URL>"
+    shown = url
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if at and ":" in userinfo:
+        # The netloc follows "scheme://", its first occurrence. (urlunsplit would drop the
+        # "//" of "unix:///path", so the URL is spliced, not rebuilt.)
+        user = userinfo.split(":", 1)[0]
+        shown = shown.replace(parts.netloc, f"{user}:***@{host}", 1)
+    if parts.query:
+        query = _QUERY_PASSWORD.sub(r"\1\2***", parts.query)
+        shown = shown.replace(f"?{parts.query}", f"?{query}", 1)
+    return shown
+
+
+@overload
+def resolve_url(
+    flag: str | None,
+    url_file: str | Path | None,
+    env: Mapping[str, str] | None = None,
+    *,
+    default: str = DEFAULT_URL,
+) -> str: ...
+@overload
+def resolve_url(
+    flag: str | None,
+    url_file: str | Path | None,
+    env: Mapping[str, str] | None = None,
+    *,
+    default: None,
+) -> str | None: ...
+def resolve_url(
+    flag: str | None,
+    url_file: str | Path | None,
+    env: Mapping[str, str] | None = None,
+    *,
+    default: str | None = DEFAULT_URL,
+) -> str | None:
+    """The Redis URL: ``--redis`` flag, else the file ``--redis-url-file``, else ``$URL_ENV``,
+    else ``default``. ``env`` defaults to ``os.environ``."""
+    if flag:
+        return flag
+    if url_file is not None:
+        return _read_url_file(Path(url_file))
+    # Set but empty counts as unset, as a shell's `ROLLOUTS_REDIS_URL= cmd` means.
+    return (os.environ if env is None else env).get(URL_ENV) or default
+
+
+def _read_url_file(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        # Missing, unreadable or binary: say which file and why, never its content.
+        reason = type(exc).__name__
+        raise InvalidRedisUrl(f"cannot read the Redis URL file {path}: {reason}") from None
+    lines = text.split()
+    if len(lines) != 1:
+        raise InvalidRedisUrl(
+            f"the Redis URL file {path} must hold one URL, found {len(lines)} words"
+        )
+    return lines[0]

@@ -49,3 +49,8 @@ class StaleAttempt(AppendRefused):
         super().__init__(rollout_id, seq, f"attempt {attempt} is stale ({live_text})")
         self.attempt = attempt
         self.live = live
+
+
+class InvalidRedisUrl(StoreError, ValueError):
+    """A Redis URL that cannot be read or used. Its message never contains the URL itself
+    (it may hold a password)."""

@@ -13,8 +13,18 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 DURABLE = {"appendonly": "yes", "appendfsync": "always"}
+
+
+def _resp(args: list[str]) -> bytes:
+    """A command in RESP, so a password with spaces or CRLF in it cannot break the framing."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        data = arg.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
 
 
 def free_port() -> int:
@@ -42,7 +52,10 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The server's URL, with its password when it has one (print it ``redact``ed)."""
+        password = self.config.get("requirepass")
+        auth = f":{quote(password, safe='')}@" if password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [
@@ -73,15 +86,27 @@ class RedisServer:
                 log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return
+                if self._answers_ping():
+                    return
             except OSError:
-                # Not listening yet, or still loading its AOF (it answers -LOADING).
+                # Not listening yet, or it closed the connection on us.
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"redis-server on port {self.port} not ready after {timeout}s")
+
+    def _answers_ping(self) -> bool:
+        """PING, after AUTH when the server has a password: a server with one answers a bare
+        PING with -NOAUTH even while it is still loading its AOF, so that is no sign of life."""
+        password = self.config.get("requirepass")
+        commands = [["AUTH", password], ["PING"]] if password else [["PING"]]
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+            s.sendall(b"".join(_resp(c) for c in commands))
+            replies = s.makefile("rb")
+            last = b""
+            for _ in commands:
+                last = replies.readline()
+        # -LOADING while it replays its AOF; -WRONGPASS if the AUTH failed.
+        return last.startswith(b"+PONG")
 
     def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
         """SIGTERM (Redis flushes its AOF and exits) or, with ``kill``, SIGKILL."""

@@ -1,7 +1,9 @@
 """``rollouts demo``: durable generation end to end on a tiny local model, in about a minute.
 
-It starts (unless given ``--redis``) a redis-server of its own with AOF ``appendfsync always``,
-builds a tiny random-weight Qwen3-MoE model (no download), starts two worker processes,
+It starts a redis-server of its own with AOF ``appendfsync always`` (unless given a Redis URL
+with ``--redis`` or ``--redis-url-file``; ``$ROLLOUTS_REDIS_URL`` is ignored here, so the demo
+never writes into a deployment's Redis by accident), builds a tiny random-weight
+Qwen3-MoE model (no download), starts two worker processes,
 submits greedy rollouts, stops one worker with SIGTERM while it is generating, and shows that
 its rollouts resumed on the other worker from the saved tokens and ended exactly as an
 uninterrupted run of the same engine does, with one routed-experts row per token.
@@ -14,6 +16,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,8 +25,10 @@ import numpy as np
 
 from statemachine import RolloutRequest, SamplingParams
 from store.client import RolloutClient
+from store.connection import URL_ENV, redact
+from store.errors import InvalidRedisUrl
 from store.server import RedisServer
-from workers import worker_main
+from workers import redis_options, worker_main
 
 PROMPTS = [
     "the durable rollout",
@@ -36,7 +41,9 @@ PROMPTS = [
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis", help="use this Redis instead of starting one")
+    redis_options.add_arguments(
+        parser, otherwise="start a redis-server of its own", use_env=False
+    )
     parser.add_argument("--model", help="model directory (default: build the tiny MoE model)")
     parser.add_argument("--max-tokens", type=int, default=48)
 
@@ -59,8 +66,10 @@ def _model(path: str | None) -> Path:
 
 
 def _start_worker(url: str, model: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
-    cmd = worker_main.command(url, model, name, "--checkpoint-tokens", "8", concurrency=2)
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    # The URL travels in the environment: on the command line `ps` would show its password.
+    cmd = worker_main.command(None, model, name, "--checkpoint-tokens", "8", concurrency=2)
+    env = {**os.environ, URL_ENV: url}
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
 async def _demo(url: str, model: Path, max_tokens: int, logs: Path) -> int:
@@ -147,13 +156,20 @@ async def _uninterrupted(model: Path, requests: list[RolloutRequest]) -> list[np
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        url = redis_options.resolve(args, use_env=False)
+    except InvalidRedisUrl as exc:
+        # Its message names the file, never the URL.
+        print(f"rollouts demo: error: {exc}", file=sys.stderr)
+        return 2
     model = _model(args.model)
     with tempfile.TemporaryDirectory(prefix="rollouts-demo-") as tmp:
         logs = Path(tmp)
-        if args.redis:
-            return asyncio.run(_demo(args.redis, model, args.max_tokens, logs))
+        if url:
+            print(f"using Redis at {redact(url)}")
+            return asyncio.run(_demo(url, model, args.max_tokens, logs))
         with RedisServer(logs / "redis") as server:
-            print(f"started redis-server on {server.url} (AOF, appendfsync always)")
+            print(f"started redis-server on {redact(server.url)} (AOF, appendfsync always)")
             t0 = time.monotonic()
             code = asyncio.run(_demo(server.url, model, args.max_tokens, logs))
             print(f"demo took {time.monotonic() - t0:.1f} s")

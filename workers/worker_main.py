@@ -12,28 +12,34 @@ import sys
 from pathlib import Path
 
 from store import defaults
+from store.connection import DEFAULT_URL, redact
+from store.errors import InvalidRedisUrl
+from workers import redis_options
 from workers.engine_factory import ENGINES, make_engine
 from workers.runner import Cadence
 from workers.weight_updates import WeightMode
 from workers.worker import Worker, WorkerConfig
 
+log = logging.getLogger("rollouts.worker")
+
 
 def command(
-    redis_url: str,
+    redis_url: str | None,
     model: str | Path,
     name: str,
     *extra: str,
     concurrency: int = 2,
     engine: str = "cpu",
 ) -> list[str]:
-    """The command line of a worker process (for the demo, tests and benchmarks)."""
+    """The command line of a worker process (for the demo, tests and benchmarks). With
+    ``redis_url`` None the worker takes its URL from ``$ROLLOUTS_REDIS_URL`` (no password in
+    `ps`)."""
     return [
         sys.executable,
         "-m",
         "workers.cli",
         "worker",
-        "--redis",
-        redis_url,
+        *(["--redis", redis_url] if redis_url is not None else []),
         "--engine",
         engine,
         "--model",
@@ -47,7 +53,7 @@ def command(
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    redis_options.add_arguments(parser, otherwise=DEFAULT_URL)
     parser.add_argument("--engine", choices=ENGINES, default="cpu")
     parser.add_argument("--model", help="model directory (HF layout) for the cpu engine")
     parser.add_argument(
@@ -89,16 +95,32 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--weight-version",
         type=int,
         default=0,
-        help="version of the weights the engine starts with",
+        help="version of the weights the engine starts with (default 0)",
+    )
+    parser.add_argument(
+        "--model-id",
+        help="the model identity every attempt records; a rollout is only resumed on the "
+        "model its earlier attempts ran (default: from the model directory's config.json; "
+        "name it for vllm-http without --model)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # Redis first: loading an engine takes minutes (vLLM), a wrong password a moment.
+    try:
+        redis_url = redis_options.resolve(args) or DEFAULT_URL
+    except InvalidRedisUrl as exc:
+        # Its message names the file and never the URL.
+        return _refuse(str(exc))
+    problem = redis_options.check(redis_url)
+    if problem is not None:
+        return _refuse(problem)
+    log.info("Redis at %s", redact(redis_url))
     engine = make_engine(args.engine, args.model, weight_version=args.weight_version)
     extra = {"name": args.name} if args.name else {}
     config = WorkerConfig(
-        redis_url=args.redis,
+        redis_url=redis_url,
         queues=tuple(args.queues or (defaults.QUEUE_NAME,)),
         max_concurrency=args.max_concurrency,
         cadence=Cadence(tokens=args.checkpoint_tokens, interval_s=args.checkpoint_interval),
@@ -107,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         weight_mode=WeightMode(args.weight_mode),
         lease_ttl_s=args.lease_ttl,
         heartbeat_s=args.heartbeat,
+        model_id=args.model_id,
         **extra,
     )
     worker = Worker(config, engine)
@@ -136,3 +159,10 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(main())
     # Non-zero when the engine died, so a supervisor restarts the worker (with a new engine).
     return 1 if worker.stats.engine_dead else 0
+
+
+def _refuse(message: str) -> int:
+    """One line on stderr and exit code 2 (a usage/configuration error, as argparse's): no
+    traceback, and no restart by a supervisor will fix it."""
+    print(f"rollouts worker: error: {message}", file=sys.stderr, flush=True)
+    return 2

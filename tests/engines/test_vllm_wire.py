@@ -9,6 +9,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from statemachine.states import FinishReason
 from workers.engines.vllm_local import routes_for_tokens
@@ -159,3 +161,278 @@ def test_routes_align_one_row_per_token() -> None:
         routes_for_tokens(vllm_rows + 300, n, np.dtype(np.uint8))
     with pytest.raises(EngineError, match="none"):
         routes_for_tokens(None, n, np.dtype(np.uint8))
+
+
+# -- every malformed input raises WireFormatError, and only that --------------------------------
+
+SIGNED = (np.int8, np.int16, np.int32, np.int64)
+ALLOWED_DTYPES = {np.dtype(t).str for t in (np.uint8, np.uint16, np.uint32, np.uint64, *SIGNED)}
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    return base64.b64decode(npy_b64(arr))
+
+
+def with_header(arr: np.ndarray, old: bytes, new: bytes) -> str:
+    """An `.npy` payload of `arr` whose header has `old` replaced by `new` (same length)."""
+    raw = npy_bytes(arr)
+    assert old in raw and len(old) == len(new)
+    return base64.b64encode(raw.replace(old, new, 1)).decode()
+
+
+@pytest.mark.parametrize("dtype", SIGNED)
+def test_negative_expert_ids_are_refused(dtype: type) -> None:
+    routes = ROUTES.astype(dtype)
+    routes[1, 0, 1] = -1
+    with pytest.raises(WireFormatError, match="negative"):
+        decode_routed_experts(encode_routed_experts(routes))
+    with pytest.raises(WireFormatError, match="negative"):
+        decode_routed_experts(npy_b64(routes))
+
+
+PACKED = encode_routed_experts(ROUTES)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"data": "AQID", "shape": [1, 1, 3], "dtype": ","},  # numpy: SyntaxError
+        {**PACKED, "dtype": "(2,)u1"},  # a sub-array dtype
+        {**PACKED, "dtype": "u1,u1"},  # a structured dtype
+        {**PACKED, "dtype": "(1000000000000,)u1"},
+        {**PACKED, "dtype": "[('a', '<u1')]"},
+        {**PACKED, "dtype": "u1\x00"},
+        {**PACKED, "dtype": ">i4"},
+        {**PACKED, "dtype": "bool"},
+        {**PACKED, "shape": [-5, -2, 2]},  # negative dims whose product is right
+        {"data": "", "shape": [0, 2**63, 4], "dtype": "uint8"},  # 0 bytes, an absurd dim
+        {"data": "", "shape": [2**70, 0, 4], "dtype": "uint8"},
+        {**PACKED, "shape": [5.0, 2, 2]},
+        {**PACKED, "shape": [[5], 2, 2]},
+        {**PACKED, 1: 2},  # a key that is not a string
+        {**PACKED, "extra": 1},
+        {**PACKED, "data": {"nested": PACKED}},
+        {**PACKED, "data": ["AQID"]},
+        {**PACKED, "data": "AQ\u00e9D"},  # outside the base64 alphabet, not ASCII
+        with_header(ROUTES, b"'|u1'", b"'|O' "),  # object dtype
+        with_header(ROUTES, b"'|u1'", b"'|b1'"),  # bool
+        with_header(ROUTES.astype(">u2"), b"'>u2'", b"'>u2'"),  # big-endian
+        with_header(ROUTES.astype(np.int32), b"'<i4'", b"'>i4'"),
+        with_header(ROUTES, b"'|u1'", b"'xyz'"),  # unknown descr
+        with_header(ROUTES, b"(5, 2, 2)", b"(5,-2,-2)"),
+        with_header(ROUTES[:1], b"(1, 2, 2), }", b"(True,2,2),}"),
+        with_header(ROUTES, b"False", b"0    "),
+        with_header(ROUTES, b"{'descr'", b"['descr'"),
+        base64.b64encode(npy_bytes(ROUTES)[:9]).decode(),  # cut inside the header length
+        base64.b64encode(npy_bytes(ROUTES)[:40]).decode(),  # cut inside the header
+        base64.b64encode(b"\x93NUMPY\x09\x00" + npy_bytes(ROUTES)[8:]).decode(),  # version 9
+        "",
+        None,
+        [PACKED],
+        3.5,
+    ],
+)
+def test_every_malformed_routes_payload_raises_wire_format_error(value: object) -> None:
+    with pytest.raises(WireFormatError):
+        decode_routed_experts(value)
+
+
+HUGE = 10**5000  # str() of it raises ValueError (Python's int-to-str digit limit)
+
+
+@pytest.mark.parametrize(
+    "event_",
+    [
+        [1],  # an event that is not an object
+        "choices",
+        {"choices": [1]},
+        event(token_ids=[True], logprobs={"content": [{"token_id": True, "logprob": -1.0}]}),
+        event(token_ids=[1.0], logprobs={"content": [{"token_id": 1.0, "logprob": -1.0}]}),
+        event(token_ids=[2**40], logprobs={"content": [{"token_id": 2**40, "logprob": -1.0}]}),
+        event(token_ids=[2**80], logprobs={"content": [{"token_id": 2**80, "logprob": -1.0}]}),
+        event(token_ids=[1], logprobs={"content": [{"token_id": True, "logprob": -1.0}]}),
+        event(token_ids=[1], logprobs={"content": [{"token_id": 1, "logprob": HUGE}]}),
+        event(token_ids=[1], logprobs={"content": [{"token_id": 1, "logprob": True}]}),
+        event(token_ids=[1], logprobs={"content": [HUGE]}),
+        event(token_ids=[1], logprobs=[1]),
+        event(token_ids=[1], logprobs="x"),
+        event(token_ids=0),
+        event(token_ids=False),
+        event(token_ids={}),
+        event(token_ids="ab"),
+        event(token_ids=[], stop_reason=True),
+        event(token_ids=[], stop_reason=2**80),
+        event(token_ids=[], routed_experts=5),
+        {"error": HUGE},
+        {"error": {"message": [HUGE]}},
+    ],
+)
+def test_every_malformed_choice_raises_wire_format_error(event_: object) -> None:
+    with pytest.raises(WireFormatError):
+        decode_choice(event_)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'data: {"choices": \xff}\n',  # not UTF-8
+        b"data: " + b"[" * 100_000 + b"\n",  # nested beyond the recursion limit
+        b"data: " + b"9" * 5000 + b"\n",  # more digits than Python converts to an int
+    ],
+)
+def test_malformed_sse_lines_raise_wire_format_error(line: bytes) -> None:
+    with pytest.raises(WireFormatError):
+        parse_sse_line(line)
+
+
+# -- fuzz: random JSON-like values, random mutations of valid payloads --------------------------
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=12)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=8) | st.integers(), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def valid_routes() -> st.SearchStrategy[np.ndarray]:
+    return st.builds(
+        lambda dtype, shape, seed: (
+            np.random.default_rng(seed).integers(0, 100, size=shape).astype(dtype)
+        ),
+        st.sampled_from([np.uint8, np.uint16, np.uint32, np.int32, np.int64]),
+        st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)),
+        st.integers(0, 2**32 - 1),
+    )
+
+
+@st.composite
+def mutated_npy(draw: st.DrawFn) -> str:
+    raw = bytearray(npy_bytes(draw(valid_routes())))
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["flip", "cut", "insert", "header"]))
+        if kind == "flip" and raw:
+            i = draw(st.integers(0, len(raw) - 1))
+            raw[i] = draw(st.integers(0, 255))
+        elif kind == "cut":
+            raw = raw[: draw(st.integers(0, len(raw)))]
+        elif kind == "insert":
+            i = draw(st.integers(0, len(raw)))
+            raw[i:i] = draw(st.binary(min_size=1, max_size=4))
+        else:  # a header field replaced by other printable text of the same length
+            for old in (b"'descr': '", b"'shape': (", b"'fortran_order': "):
+                start = raw.find(old)
+                if start >= 0 and draw(st.booleans()):
+                    end = start + len(old)
+                    size = draw(st.integers(1, 6))
+                    raw[end : end + size] = draw(
+                        st.text("0123456789<>|,()[]'\"ufibOV- ", min_size=size, max_size=size)
+                    ).encode()
+    return base64.b64encode(bytes(raw)).decode()
+
+
+@st.composite
+def mutated_packed(draw: st.DrawFn) -> dict[object, object]:
+    packed: dict[object, object] = dict(encode_routed_experts(draw(valid_routes())))
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(st.sampled_from(["data", "shape", "dtype", "extra", 7]))
+        action = draw(st.sampled_from(["replace", "drop", "tweak"]))
+        if action == "drop":
+            packed.pop(key, None)
+        elif action == "replace":
+            packed[key] = draw(json_values)
+        elif key == "shape" and isinstance(packed.get("shape"), list):
+            shape = list(packed["shape"])  # type: ignore[call-overload]
+            if shape:
+                shape[draw(st.integers(0, len(shape) - 1))] = draw(
+                    st.integers(-(2**65), 2**65) | st.sampled_from([-1, 0, 2**31, 2**63])
+                )
+            packed["shape"] = shape
+        elif key == "dtype":
+            packed["dtype"] = draw(
+                st.sampled_from(["<i2", ">u2", "|b1", "<f4", ",", "(2,)u1", "u1,u1", "O", "V8"])
+                | st.text(max_size=6)
+            )
+        elif key == "data" and isinstance(packed.get("data"), str):
+            text = str(packed["data"])
+            packed["data"] = text[: draw(st.integers(0, len(text)))] + draw(st.text(max_size=3))
+    return packed
+
+
+def routes_payloads() -> st.SearchStrategy[object]:
+    return (
+        json_values
+        | mutated_npy()
+        | mutated_packed()
+        | valid_routes().map(npy_b64)
+        | valid_routes().map(encode_routed_experts)
+    )
+
+
+def assert_acceptable_routes(arr: np.ndarray) -> None:
+    assert arr.ndim == 3
+    assert arr.dtype.str in ALLOWED_DTYPES
+    assert not arr.size or int(arr.min()) >= 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(routes_payloads())
+def test_fuzzed_routes_raise_only_wire_format_errors(value: object) -> None:
+    try:
+        arr = decode_routed_experts(value)
+    except WireFormatError:
+        return
+    assert_acceptable_routes(arr)
+
+
+@st.composite
+def choice_events(draw: st.DrawFn) -> object:
+    n = draw(st.integers(0, 3))
+    ids = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+    choice: dict[object, object] = {
+        "index": 0,
+        "token_ids": ids,
+        "logprobs": {"content": [{"token_id": t, "logprob": -1.0} for t in ids]},
+        "finish_reason": draw(st.sampled_from([None, "stop", "length"])),
+        "stop_reason": draw(st.none() | st.integers(0, 10) | st.text(max_size=3)),
+        "routed_experts": draw(st.none() | routes_payloads()),
+    }
+    for _ in range(draw(st.integers(0, 3))):
+        key = draw(st.sampled_from([*choice, "logprobs.content", "token_ids[]"]))
+        if key == "token_ids[]" and ids:
+            ids[draw(st.integers(0, len(ids) - 1))] = draw(json_values)
+        elif key == "logprobs.content":
+            choice["logprobs"] = {"content": draw(json_values)}
+        else:
+            choice[key] = draw(json_values)
+    event_: object = {"choices": [choice]}
+    if draw(st.integers(0, 9)) == 0:
+        event_ = draw(json_values | st.just({"error": draw(json_values)}))
+    return event_
+
+
+@settings(max_examples=400, deadline=None)
+@given(choice_events())
+def test_fuzzed_choices_raise_only_wire_format_errors(event_: object) -> None:
+    try:
+        piece = decode_choice(event_)  # type: ignore[arg-type]
+    except WireFormatError:
+        return
+    if piece is None:
+        return
+    assert piece.token_ids.dtype == np.int32 and piece.token_ids.ndim == 1
+    assert piece.logprobs.dtype == np.float32 and piece.logprobs.shape == piece.token_ids.shape
+    assert piece.stop_reason is None or isinstance(piece.stop_reason, str | int)
+    assert not isinstance(piece.stop_reason, bool)
+    if piece.routed_experts is not None:
+        assert_acceptable_routes(piece.routed_experts)
