@@ -104,7 +104,6 @@ class CpuEngine:
         # loop and Redis (measured: with all cores, durable/direct fell to ~0.7).
         threads = threads or max(1, (os.cpu_count() or 2) - 1)
         self._source = str(model_dir)
-        self._model_id = model_identity(model_dir)
         self._weight_version = weight_version
         self._serials = itertools.count()
         self._tokens = itertools.count()
@@ -129,6 +128,8 @@ class CpuEngine:
             self._close_fds()
             raise
         self.pid: int = info["pid"]
+        # After the handshake: the core has checked the directory and reports what is wrong.
+        self._model_id = model_identity(model_dir)
         self._vocab_size: int = info["vocab_size"]
         self._max_positions: int = info["max_positions"]
         self._tokenizer: Any = None
