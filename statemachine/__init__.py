@@ -5,6 +5,7 @@ Imports only the standard library, numpy and msgpack; no I/O happens here.
 
 from __future__ import annotations
 
+from statemachine import commands
 from statemachine.errors import (
     AttemptMismatch,
     BudgetExceeded,
@@ -75,6 +76,7 @@ __all__ = [
     "UnknownEventType",
     "UnsupportedSchema",
     "apply",
+    "commands",
     "fence_of",
     "fold",
 ]

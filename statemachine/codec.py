@@ -147,7 +147,7 @@ REGISTRY: dict[str, _Codec] = {
     "tokens_appended": (TokensAppended, 1, _tokens_fields, _tokens_from),
     "aborted": (
         Aborted,
-        1,
+        2,
         lambda e: {"attempt": e.attempt, "reason": e.reason.value, "detail": e.detail},
         lambda f: {**f, "reason": AbortReason(f["reason"])},
     ),
@@ -180,11 +180,21 @@ def _model_recorded(f: Fields) -> Fields:
     return {**f, "model": ""}
 
 
+def _engine_dead_named(f: Fields) -> Fields:
+    """aborted v1 -> v2: v1 had no ``engine_dead`` reason; the worker recorded an engine's
+    death as ``engine_error`` with a detail starting "EngineDead:". Parsed here, once, so no
+    other code reads the detail to tell the two apart."""
+    if f.get("reason") == "engine_error" and str(f.get("detail", "")).startswith("EngineDead:"):
+        return {**f, "reason": "engine_dead"}
+    return f
+
+
 # (type name, stored version) -> function turning those fields into the next version's fields.
 UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {
     ("submitted", 1): _queue_recorded,
     ("started", 1): _model_recorded,
     ("resumed", 1): _model_recorded,
+    ("aborted", 1): _engine_dead_named,
 }
 
 

@@ -25,7 +25,8 @@ class AbortReason(StrEnum):
     WEIGHT_UPDATE = "weight_update"
     WORKER_LOST = "worker_lost"
     SHUTDOWN = "shutdown"
-    ENGINE_ERROR = "engine_error"
+    ENGINE_ERROR = "engine_error"  # the engine failed on this rollout: counts against its budget
+    ENGINE_DEAD = "engine_dead"  # the engine died under it: not the rollout's fault, no charge
     CANCELLED = "cancelled"
 
 

@@ -13,10 +13,10 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from statemachine import RolloutRequest, RolloutState, Submitted, codec
+from statemachine import TERMINAL, RolloutRequest, RolloutState, Status, commands
 from store import defaults
 from store.connection import connect, connect_sync
-from store.errors import RolloutNotFound, StoreError
+from store.errors import StoreError
 from store.event_store import EventStore
 from store.keys import Keys, check_rollout_id
 from store.queue import enqueue_rollouts_async, rollout_queue
@@ -66,13 +66,8 @@ class RolloutClient:
             (
                 None,
                 [
-                    Submitted(
-                        rollout_id=rid,
-                        seq=1,
-                        request=req,
-                        at=now,
-                        admitted_version=admitted,
-                        queue=self._queue.name,
+                    commands.submit(
+                        rid, req, admitted_version=admitted, queue=self._queue.name, at=now
                     )
                 ],
             )
@@ -91,16 +86,7 @@ class RolloutClient:
         return await self.weights.publish(version, path)
 
     async def statuses(self, ids: Sequence[str]) -> list[str]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for rid in ids:
-                pipe.hget(self.store.keys.snapshot(rid), "head")
-            heads = await pipe.execute()
-        out = []
-        for rid, head in zip(ids, heads, strict=True):
-            if head is None:
-                raise RolloutNotFound(rid)
-            out.append(codec.snapshot_status(head, rollout_id=rid))
-        return out
+        return [s.value for s in await self.store.statuses(ids)]
 
     async def result(self, rollout_id: str) -> RolloutResult:
         return RolloutResult.from_state(await self.store.load(rollout_id), self.tokenizer)
@@ -114,7 +100,9 @@ class RolloutClient:
         delay, max_delay = defaults.WAIT_POLL_S
         while pending:
             statuses = await self.statuses(pending)
-            pending = [rid for rid, s in zip(pending, statuses, strict=True) if not _ended(s)]
+            pending = [
+                rid for rid, s in zip(pending, statuses, strict=True) if Status(s) not in TERMINAL
+            ]
             if not pending:
                 break
             if deadline is not None and time.monotonic() >= deadline:
@@ -126,10 +114,6 @@ class RolloutClient:
     async def aclose(self) -> None:
         await self.redis.aclose()
         self._queue.connection.close()
-
-
-def _ended(status: str) -> bool:
-    return status in ("done", "failed", "cancelled")
 
 
 class SyncRolloutClient:

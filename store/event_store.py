@@ -23,12 +23,13 @@ from redis.asyncio import Redis
 
 from statemachine import (
     Event,
-    Failed,
     RolloutState,
+    Status,
     Submitted,
     TokensAppended,
     apply,
     codec,
+    commands,
     fence_of,
 )
 from statemachine.errors import CorruptRecord, TransitionError
@@ -41,6 +42,11 @@ from store.errors import (
     StaleAttempt,
 )
 from store.keys import Keys
+
+# The snapshot hash's fields (written by lua/append.lua, read only here): the encoded head of
+# the derived scalars, and the immutable Submitted record kept beside it for O(1) loads.
+HEAD = "head"
+SUBMITTED = "sub"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +136,7 @@ class EventStore:
         """The current state, from the snapshot; token data from the log's token records."""
         async with self.redis.pipeline(transaction=True) as pipe:
             # One MULTI so the head and the log are read at the same instant.
-            pipe.hmget(self.keys.snapshot(rollout_id), ["head", "sub"])
+            pipe.hmget(self.keys.snapshot(rollout_id), [HEAD, SUBMITTED])
             pipe.xrange(self.keys.log(rollout_id))
             (head, sub), entries = await pipe.execute()
         if head is None or sub is None:
@@ -168,7 +174,7 @@ class EventStore:
         is not needed to end it) makes it end with the reason. True if recorded; False if it
         had ended already. Raises ``CodecError`` if the snapshot is unreadable too.
         """
-        head, sub = await self.redis.hmget(self.keys.snapshot(rollout_id), ["head", "sub"])  # type: ignore[misc]
+        head, sub = await self.redis.hmget(self.keys.snapshot(rollout_id), [HEAD, SUBMITTED])  # type: ignore[misc]
         if head is None or sub is None:
             raise RolloutNotFound(rollout_id)
         submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
@@ -177,17 +183,27 @@ class EventStore:
         state = codec.decode_snapshot(head, submitted)
         if state.terminal:
             return False
-        failed = Failed(
-            rollout_id=rollout_id, seq=state.seq + 1, error=error, attempts=state.attempt
-        )
-        await self.append(state, failed)
+        await self.append(state, commands.fail(state, error))
         return True
 
     async def events(self, rollout_id: str) -> list[Event]:
         return _decode_entries(rollout_id, await self.redis.xrange(self.keys.log(rollout_id)))
 
+    async def statuses(self, rollout_ids: Sequence[str]) -> list[Status]:
+        """Each rollout's status from its snapshot head alone, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in rollout_ids:
+                pipe.hget(self.keys.snapshot(rid), HEAD)
+            heads = await pipe.execute()
+        out = []
+        for rid, head in zip(rollout_ids, heads, strict=True):
+            if head is None:
+                raise RolloutNotFound(rid)
+            out.append(Status(codec.snapshot_status(head, rollout_id=rid)))
+        return out
+
     async def exists(self, rollout_id: str) -> bool:
-        found: int = await self.redis.hexists(self.keys.snapshot(rollout_id), "head")  # type: ignore[misc]
+        found: int = await self.redis.hexists(self.keys.snapshot(rollout_id), HEAD)  # type: ignore[misc]
         return bool(found)
 
 

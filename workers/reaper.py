@@ -20,7 +20,7 @@ import logging
 from redis import Redis as SyncRedis
 from rq import Queue
 
-from statemachine import LIVE, Aborted, AbortReason, CodecError, CorruptRecord, RolloutState
+from statemachine import LIVE, AbortReason, CodecError, CorruptRecord, RolloutState, commands
 from store import AppendRefused, EventStore, RolloutNotFound
 from store.leases import Leases
 from store.queue import enqueue_rollouts_async, rollout_queue
@@ -60,12 +60,8 @@ class Reaper:
             await self.leases.release_if_unchanged(rid, expiry)  # a deleted rollout
             return False
         if state.status in LIVE:
-            lost = Aborted(
-                rollout_id=rid,
-                seq=state.seq + 1,
-                attempt=state.attempt,
-                reason=AbortReason.WORKER_LOST,
-                detail=f"lease of {state.worker_id} expired",
+            [lost] = commands.abort(
+                state, AbortReason.WORKER_LOST, f"lease of {state.worker_id} expired"
             )
             try:
                 await self.store.append(state, lost)

@@ -26,30 +26,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
-import numpy as np
-
-from statemachine import (
-    LIVE,
-    Aborted,
-    AbortReason,
-    Cancelled,
-    Event,
-    Finished,
-    FinishReason,
-    Resumed,
-    RolloutState,
-    Started,
-    Status,
-    TokensAppended,
-)
+from statemachine import LIVE, AbortReason, FinishReason, RolloutState, commands
 from statemachine.arrays import clamp_logprobs
+from statemachine.commands import NewTokens
 from statemachine.errors import ModelMismatch
 from store import AppendRefused, EventStore, defaults
 from store.leases import Leases, now_ms
 from workers.checkpoint import Checkpointer
-from workers.engines.base import Chunk, Engine, EngineRequest
+from workers.engines.base import Chunk, Engine, EngineRequest, join_chunks
 from workers.errors import EngineDead, EngineError, RequestAborted
 
 log = logging.getLogger("rollouts.runner")
@@ -229,17 +214,14 @@ class RolloutRunner:
             f"{state.request.max_staleness} versions ahead of v{state.admitted_version}"
         )
         # Cancelled is legal from any non-terminal state and ends a live attempt's fence too.
-        events: list[Event] = [
-            Cancelled(rollout_id=state.rollout_id, seq=state.seq + 1, reason=reason)
-        ]
         try:
-            return RunResult(Outcome.FINISHED, await self.checkpointer.append(state, events))
+            done = await self.checkpointer.append(state, [commands.cancel(state, reason)])
+            return RunResult(Outcome.FINISHED, done)
         except AppendRefused:
             # Someone else moved it on meanwhile; nothing of ours to record.
             return RunResult(Outcome.LOST, await self.store.load(state.rollout_id))
 
     async def _begin(self, state: RolloutState) -> RolloutState:
-        events: list[Event] = []
         if state.status in LIVE:
             # rq ran this job while an attempt was live (a duplicate delivery, or its worker
             # died): take over. The old attempt is fenced out from this append on.
@@ -247,27 +229,14 @@ class RolloutRunner:
                 "rollout %s attempt %d: taking over from worker %s (its lease lapsed)",
                 state.rollout_id, state.attempt, state.worker_id,
             )  # fmt: skip
-            events.append(
-                Aborted(
-                    rollout_id=state.rollout_id,
-                    seq=state.seq + 1,
-                    attempt=state.attempt,
-                    reason=AbortReason.WORKER_LOST,
-                    detail=f"taken over by {self.worker_id}",
-                )
-            )
-        seq = state.seq + 1 + len(events)
-        first = state.status is Status.PENDING
-        begin = (Started if first else Resumed)(
-            rollout_id=state.rollout_id,
-            seq=seq,
-            attempt=state.attempt + 1,
+        events = commands.begin(
+            state,
             worker_id=self.worker_id,
             weight_version=self.engine.weight_version,
             weight_mode=self.weight_mode,
             model=self.model_id,
         )
-        return await self.checkpointer.append(state, [*events, begin])
+        return await self.checkpointer.append(state, events)
 
     async def _generate(self, state: RolloutState) -> RunResult:
         rid = state.rollout_id
@@ -314,11 +283,11 @@ class RolloutRunner:
             state = await self._settle(in_flight, state)
             return RunResult(Outcome.ABORTED, await self._abort(state, buffer, reason, detail))
         except EngineDead as exc:
-            # Not this rollout's fault: save it and give it back; the worker stops. The prefix
-            # is how the worker tells these aborts from the rollout's own engine errors.
+            # Not this rollout's fault: save it and give it back; the worker stops. Its own
+            # reason, so that it is never charged to the rollout's engine-error budget.
             error = f"{EngineDead.__name__}: {exc}"
             state = await self._settle(in_flight, state)
-            state = await self._abort(state, buffer, AbortReason.ENGINE_ERROR, error)
+            state = await self._abort(state, buffer, AbortReason.ENGINE_DEAD, error)
             return RunResult(Outcome.ENGINE_DEAD, state, error)
         except EngineError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -342,7 +311,9 @@ class RolloutRunner:
         return state if in_flight is None else await in_flight
 
     async def _checkpoint(self, state: RolloutState, chunks: list[Chunk]) -> RolloutState:
-        event = self._tokens_event(state, chunks)
+        tokens = self._new_tokens(chunks)
+        assert tokens is not None  # a flush point's checkpoint always carries tokens
+        event = commands.checkpoint(state, tokens)
         state = await self.checkpointer.append(state, [event], gather=True)
         self.stats.checkpoints += 1
         return state
@@ -354,14 +325,19 @@ class RolloutRunner:
         reason: FinishReason,
         stop_reason: int | str | None,
     ) -> RolloutState:
-        return await self._close(
-            state, chunks, Finished, free_engine=True, finish_reason=reason, stop_reason=stop_reason
-        )
+        events = commands.finish(state, reason, stop_reason, tokens=self._new_tokens(chunks))
+        # The next rollout may start once these are stamped. Aborts keep their slot until
+        # saved: an abort may be the engine dying or the worker stopping, and a slot freed
+        # then would only take another job to abort.
+        if (free := self._engine_free.pop(state.rollout_id, None)) is not None:
+            free()
+        return await self.checkpointer.append(state, events)
 
     async def _abort(
         self, state: RolloutState, chunks: list[Chunk], reason: AbortReason, detail: str
     ) -> RolloutState:
-        state = await self._close(state, chunks, Aborted, reason=reason, detail=detail)
+        events = commands.abort(state, reason, detail, tokens=self._new_tokens(chunks))
+        state = await self.checkpointer.append(state, events)
         log.info(
             "rollout %s attempt %d aborted on %s (%s%s): %d tokens kept",
             state.rollout_id, state.attempt, self.worker_id, reason.value,
@@ -369,52 +345,18 @@ class RolloutRunner:
         )  # fmt: skip
         return state
 
-    async def _close(
-        self,
-        state: RolloutState,
-        chunks: list[Chunk],
-        end: type[Event],
-        *,
-        free_engine: bool = False,
-        **fields: Any,
-    ) -> RolloutState:
-        """The attempt's last chunk (if any) and its ending event, in one chain.
-
-        ``free_engine`` (a finish only): the next rollout may start once these are stamped.
-        Aborts keep their slot until saved: an abort may be the engine dying or the worker
-        stopping, and a slot freed then would only take another job to abort.
-        """
-        events: list[Event] = [self._tokens_event(state, chunks)] if chunks else []
-        events.append(
-            end(
-                rollout_id=state.rollout_id,
-                seq=state.seq + 1 + len(events),
-                attempt=state.attempt,
-                **fields,
-            )
-        )
-        if free_engine and (free := self._engine_free.pop(state.rollout_id, None)) is not None:
-            free()
-        return await self.checkpointer.append(state, events)
-
-    def _tokens_event(self, state: RolloutState, chunks: list[Chunk]) -> TokensAppended:
-        ids = np.concatenate([c.token_ids for c in chunks]).astype(np.int32, copy=False)
-        raw = np.concatenate([c.logprobs for c in chunks]).astype(np.float32, copy=False)
-        logprobs, nonfinite = clamp_logprobs(raw)
-        versions = np.concatenate(
-            [np.full(len(c.token_ids), c.weight_version, dtype=np.int64) for c in chunks]
-        )
-        routes = [c.routed_experts for c in chunks]
-        self.stats.tokens += len(ids)
+    def _new_tokens(self, chunks: list[Chunk]) -> NewTokens | None:
+        """The chunks' tokens as the domain records them: logprobs clamped and counted."""
+        if not chunks:
+            return None
+        joined = join_chunks(chunks)
+        logprobs, nonfinite = clamp_logprobs(joined.logprobs)
+        self.stats.tokens += len(joined.token_ids)
         self.stats.nonfinite_logprobs += nonfinite
-        return TokensAppended(
-            rollout_id=state.rollout_id,
-            seq=state.seq + 1,
-            attempt=state.attempt,
-            offset=state.num_tokens,
-            token_ids=ids,
+        return NewTokens(
+            token_ids=joined.token_ids,
             logprobs=logprobs,
-            weight_versions=versions,
-            routed_experts=None if routes[0] is None else np.concatenate(routes),  # type: ignore[arg-type]
+            weight_versions=joined.weight_versions,
+            routed_experts=joined.routed_experts,
             nonfinite_logprobs=nonfinite,
         )

@@ -22,14 +22,13 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from statemachine import Aborted, AbortReason, CodecError, CorruptRecord, Failed, RolloutState
+from statemachine import Aborted, AbortReason, CodecError, CorruptRecord, RolloutState, commands
 from store import AppendRefused, EventStore, RolloutNotFound, defaults
 from store.connection import connect
 from store.leases import Leases
 from store.weights import WeightRegistry
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Engine
-from workers.errors import EngineDead
 from workers.reaper import Reaper
 from workers.rq_bridge import RqBridge, Running
 from workers.runner import Cadence, Outcome, RolloutRunner, RunResult, Stats
@@ -370,19 +369,12 @@ class Worker:
         """
         events = await self.store.events(rollout_id)
         return sum(
-            1
-            for e in events
-            if isinstance(e, Aborted)
-            and e.reason is AbortReason.ENGINE_ERROR
-            and not e.detail.startswith(f"{EngineDead.__name__}:")  # the runner's wording
+            1 for e in events if isinstance(e, Aborted) and e.reason is AbortReason.ENGINE_ERROR
         )
 
     async def _fail(self, state: RolloutState, error: str, errors: int) -> None:
-        event = Failed(
-            rollout_id=state.rollout_id, seq=state.seq + 1, error=error, attempts=state.attempt
-        )
         try:
-            await self.store.append(state, event)
+            await self.store.append(state, commands.fail(state, error))
         except AppendRefused:
             # It moved on meanwhile (cancelled, or taken over): nothing of ours to record.
             return

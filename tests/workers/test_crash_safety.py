@@ -331,7 +331,7 @@ async def test_engine_death_stops_the_worker_and_charges_no_attempt(
         assert a.wait(30) == 1  # a supervisor restarts it with a new engine
         states = [await client.store.load(rid) for rid in ids]
         assert [s.status for s in states] == [Status.ABORTED] * 2
-        assert all(s.abort_reason is AbortReason.ENGINE_ERROR for s in states)
+        assert all(s.abort_reason is AbortReason.ENGINE_DEAD for s in states)
         assert all(s.num_tokens >= K for s in states)
         b = start_worker(server.url, tiny_dense_dir, "b", tmp_path / "b.log", *FAST)
         results = await client.wait(ids, timeout=180)
@@ -344,4 +344,4 @@ async def test_engine_death_stops_the_worker_and_charges_no_attempt(
         np.testing.assert_array_equal(r.response_token_ids, ref)
     for rid in ids:
         aborts = [e for e in await client.store.events(rid) if isinstance(e, Aborted)]
-        assert [e.detail.split(":")[0] for e in aborts] == ["EngineDead"]
+        assert [e.reason for e in aborts] == [AbortReason.ENGINE_DEAD]

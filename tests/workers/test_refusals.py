@@ -81,10 +81,7 @@ async def test_unloadable_rollouts_are_refused_once_not_requeued_forever(
     assert "checksum" in (reasons["corrupt"].exc_info or "")
     assert worker.stats.outcomes["refused"] == 2
     # The damaged rollout ends (a waiting trainer sees it fail), the healthy one is done.
-    head = await client.hget(store.keys.snapshot("corrupt"), "head")
-    from statemachine import codec
-
-    assert codec.snapshot_status(head) == "failed"
+    assert await store.statuses(["corrupt"]) == [Status.FAILED]
     assert (await store.load("ok")).status is Status.DONE
     await client.aclose()
 

@@ -49,7 +49,7 @@ async def test_only_the_engines_own_errors_count_against_the_attempt_budget(
         (AbortReason.WEIGHT_UPDATE, "mode=abort, v0 -> v1"),
         (AbortReason.SHUTDOWN, ""),
         (AbortReason.WORKER_LOST, "taken over by w9"),
-        (AbortReason.ENGINE_ERROR, "EngineDead: engine core exited with -9"),
+        (AbortReason.ENGINE_DEAD, "EngineDead: engine core exited with -9"),
     ]
     # Four attempts already ended, none by the rollout's fault: it still gets 3 of its own.
     await _history(store, "poisoned", (1, POISON, 2), not_its_fault)
@@ -65,7 +65,7 @@ async def test_only_the_engines_own_errors_count_against_the_attempt_budget(
         for e in await store.events("poisoned")
         if isinstance(e, Aborted) and e.reason is AbortReason.ENGINE_ERROR
     ]
-    assert [e.detail.split(":")[0] for e in own] == ["EngineDead"] + ["EngineError"] * 3
+    assert [e.detail.split(":")[0] for e in own] == ["EngineError"] * 3
     assert poisoned.attempt == 4 + 3
     healthy = await store.load("healthy")
     assert healthy.status is Status.DONE and healthy.num_tokens == 8

@@ -67,6 +67,29 @@ class Chunk:
     weight_version: int = 0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Joined:
+    """Consecutive chunks of one stream as single arrays (logprobs as the engine gave them)."""
+
+    token_ids: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n]
+    weight_versions: np.ndarray  # int64 [n], the version of each token's chunk
+    routed_experts: np.ndarray | None  # [n, layers, top_k] or None (dense)
+
+
+def join_chunks(chunks: list[Chunk]) -> Joined:
+    """One ``Joined`` of ``chunks`` (at least one), in order."""
+    routes = [c.routed_experts for c in chunks]
+    return Joined(
+        token_ids=np.concatenate([c.token_ids for c in chunks]).astype(np.int32, copy=False),
+        logprobs=np.concatenate([c.logprobs for c in chunks]).astype(np.float32, copy=False),
+        weight_versions=np.concatenate(
+            [np.full(len(c.token_ids), c.weight_version, dtype=np.int64) for c in chunks]
+        ),
+        routed_experts=None if routes[0] is None else np.concatenate(routes),  # type: ignore[arg-type]
+    )
+
+
 def expert_dtype(num_experts: int) -> np.dtype:
     """The smallest unsigned integer dtype that holds every expert index (uint8 below 256)."""
     for dtype in (np.uint8, np.uint16, np.uint32):
