@@ -1,22 +1,12 @@
 """One attempt of one rollout on an engine, recorded durably as it goes.
 
-The runner begins an attempt (``Started`` or ``Resumed``), streams the engine's chunks into a
-buffer, and checkpoints the buffer through the worker's group-commit ``Checkpointer``. The worker's
-rollouts checkpoint together, at flush points: one whenever any rollout holds
-``Cadence.tokens`` unsaved tokens, and one ``Cadence.interval_s`` after the last flush point
-at the latest. So no rollout holds more than ``tokens`` tokens or ``interval_s`` seconds of
-unsaved progress (plus whatever arrives while its previous checkpoint is in flight), and the
-worker makes about one round trip per flush point, not one per rollout.
-
-Why flush points shared by the worker and not a timer per rollout: rollouts start at
-different moments, so their own timers and token counts come due at different moments and
-most checkpoints were a round trip of their own. Measured (``bench/bench_overhead.py``, 64 x
-256 tokens, 8 in flight): 960 appends in 614-797 round trips per round before, ~1,015 in
-~230 with shared flush points. Each round trip costs syscalls, wake-ups and an fsync (AOF
-``always``) on the cores the engine shares, which is what slows it down.
-
-Generation never waits for Redis: while one checkpoint is in flight the next tokens keep
-buffering. The last checkpoint and ``Finished`` go together in one chain.
+The runner opens an attempt (the domain's ``commands.begin``), streams the engine's chunks
+into a buffer, and hands the buffer to the worker's group-commit ``Checkpointer`` whenever
+its flush-point policy (``Checkpointer.flush_due``) says so. Generation never waits for
+Redis: while one checkpoint is in flight the next tokens keep buffering. The last checkpoint
+and ``Finished`` (or ``Aborted``) go together in one chain. Each round trip costs syscalls,
+wake-ups and an fsync (AOF ``always``) on the cores the engine shares, which is why the
+worker's rollouts share them.
 """
 
 from __future__ import annotations
@@ -33,7 +23,7 @@ from statemachine.commands import NewTokens
 from statemachine.errors import ModelMismatch
 from store import AppendRefused, EventStore, defaults
 from store.leases import Leases, now_ms
-from workers.checkpoint import Checkpointer
+from workers.checkpoint import Cadence, Checkpointer
 from workers.engines.base import Chunk, Engine, EngineRequest, join_chunks
 from workers.errors import EngineDead, EngineError, RequestAborted
 
@@ -78,10 +68,18 @@ class Stats:
     engine_dead: str | None = None  # why the engine died, if it did (the worker then stops)
 
 
-@dataclass(frozen=True, slots=True)
-class Cadence:
-    tokens: int = defaults.CHECKPOINT_TOKENS
-    interval_s: float = defaults.CHECKPOINT_INTERVAL_S
+@dataclass(slots=True)
+class _Attempt:
+    """What the runner knows of one rollout while it is inside ``run``."""
+
+    on_engine_free: Callable[[], None] | None  # called at most once, see ``run``
+    request_id: str | None = None  # the engine request, once there is one
+    stop: tuple[AbortReason, str] | None = None  # why ``stop`` was asked, if it was
+
+    def free_engine(self) -> None:
+        free, self.on_engine_free = self.on_engine_free, None
+        if free is not None:
+            free()
 
 
 class RolloutRunner:
@@ -103,7 +101,6 @@ class RolloutRunner:
         self.checkpointer = checkpointer
         self.engine = engine
         self.worker_id = worker_id
-        self.cadence = cadence or Cadence()
         self.stats = stats or Stats()
         self.weight_mode = weight_mode
         self.leases = leases
@@ -111,23 +108,34 @@ class RolloutRunner:
         # What every attempt records as its model; the engine's own identity unless the
         # deployment names it (e.g. vLLM servers whose model directory is not mounted here).
         self.model_id = engine.model_id if model_id is None else model_id
-        self._stop_reasons: dict[str, tuple[AbortReason, str]] = {}
-        self._request_ids: dict[str, str] = {}
-        self._engine_free: dict[str, Callable[[], None]] = {}
-        self.active: set[str] = set()  # rollouts inside run()
+        if cadence is not None:
+            checkpointer.cadence = cadence
+        self._attempts: dict[str, _Attempt] = {}  # rollouts inside run()
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def cadence(self) -> Cadence:
+        return self.checkpointer.cadence
+
+    @property
+    def active(self) -> list[str]:
+        """The rollouts inside ``run`` (their leases are this worker's to renew)."""
+        return list(self._attempts)
 
     async def wait_idle(self) -> None:
         """Until no rollout is inside ``run`` (every one finished, aborted or was lost)."""
         await self._idle.wait()
 
     async def stop(self, rollout_id: str, reason: AbortReason, detail: str = "") -> None:
-        """Abort the rollout's engine request; ``run`` then saves progress and returns ABORTED."""
-        self._stop_reasons[rollout_id] = (reason, detail)
-        request_id = self._request_ids.get(rollout_id)
-        if request_id is not None:
-            await self.engine.abort(request_id)
+        """Abort the rollout's engine request; ``run`` then saves progress and returns ABORTED.
+        A rollout not inside ``run`` has nothing to stop."""
+        attempt = self._attempts.get(rollout_id)
+        if attempt is None:
+            return
+        attempt.stop = (reason, detail)
+        if attempt.request_id is not None:
+            await self.engine.abort(attempt.request_id)
 
     async def run(
         self,
@@ -141,25 +149,22 @@ class RolloutRunner:
         the group commit, and what is left (that round trip, the lease, rq's books) need not
         keep the next rollout off the engine. ``queue``: the queue its job came from; a job
         from any other queue than the rollout's own is refused (``WRONG_QUEUE``)."""
-        self._stop_reasons.pop(rollout_id, None)  # a stop meant for an earlier run
-        self.active.add(rollout_id)
+        attempt = self._attempts[rollout_id] = _Attempt(on_engine_free)
         self._idle.clear()
-        if on_engine_free is not None:
-            self._engine_free[rollout_id] = on_engine_free
         try:
-            result = await self._run(rollout_id, queue)
+            result = await self._run(rollout_id, queue, attempt)
             if self.leases is not None and result.outcome not in _NOT_OURS:
                 # Our attempt is over: the lease goes before the job is handed back, so that the
                 # next worker's lease is never the one we drop.
                 await self.leases.drop(rollout_id)
             return result
         finally:
-            self._engine_free.pop(rollout_id, None)
-            self.active.discard(rollout_id)
-            if not self.active:
+            if self._attempts.get(rollout_id) is attempt:  # not a later run's record
+                del self._attempts[rollout_id]
+            if not self._attempts:
                 self._idle.set()
 
-    async def _run(self, rollout_id: str, queue: str | None) -> RunResult:
+    async def _run(self, rollout_id: str, queue: str | None, attempt: _Attempt) -> RunResult:
         state = await self.store.load(rollout_id)
         if state.terminal:
             return RunResult(Outcome.FINISHED, state)  # a duplicate or late job: nothing to do
@@ -196,15 +201,12 @@ class RolloutRunner:
                 )
             if state.remaining_tokens == 0:
                 # The budget was used up before an abort: finish without asking the engine.
-                done = await self._finish(state, [], FinishReason.LENGTH, None)
+                done = await self._finish(attempt, state, [], FinishReason.LENGTH, None)
                 return RunResult(Outcome.FINISHED, done)
-            return await self._generate(state)
+            return await self._generate(state, attempt)
         except AppendRefused:
             # Fenced out: our attempt is no longer the live one. Someone else owns it now.
             return RunResult(Outcome.LOST, await self.store.load(rollout_id))
-        finally:
-            self._stop_reasons.pop(rollout_id, None)
-            self._request_ids.pop(rollout_id, None)
 
     async def _cancel_stale(self, state: RolloutState) -> RunResult:
         # Policy: a rollout is never (re)started on weights beyond its staleness bound; it ends
@@ -238,7 +240,7 @@ class RolloutRunner:
         )
         return await self.checkpointer.append(state, events)
 
-    async def _generate(self, state: RolloutState) -> RunResult:
+    async def _generate(self, state: RolloutState, attempt: _Attempt) -> RunResult:
         rid = state.rollout_id
         request = EngineRequest(
             request_id=f"{rid}#{state.attempt}",
@@ -246,40 +248,31 @@ class RolloutRunner:
             sampling=state.resume_sampling(),
             resumed_tokens=state.num_tokens,
         )
-        self._request_ids[rid] = request.request_id
-        if rid in self._stop_reasons:
+        attempt.request_id = request.request_id
+        if attempt.stop is not None:
             # stop() came while the attempt was being opened, before there was a request.
             await self.engine.abort(request.request_id)
         buffer: list[Chunk] = []
         buffered = 0
         commits = self.checkpointer
-        flushed = commits.flush_mark(self.cadence.interval_s)
+        flushed = commits.flush_point()
         in_flight: asyncio.Task[RolloutState] | None = None
-        commits.generating += 1
         try:
-            try:
+            with commits.streaming():  # a flush point waits for this stream until it ends
                 async for chunk in self.engine.generate(request):
                     buffer.append(chunk)
                     buffered += len(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         break
-                    full = buffered >= self.cadence.tokens
-                    joining = commits.flush_mark(self.cadence.interval_s) != flushed
-                    if (full or joining) and (in_flight is None or in_flight.done()):
+                    ready = in_flight is None or in_flight.done()
+                    point = commits.flush_due(buffered, flushed, ready=ready)
+                    if point is not None:
                         if in_flight is not None:
                             state = in_flight.result()
-                        if full and not joining:
-                            # A new flush point: the worker's other rollouts join this commit. One
-                            # that is full just as it sees another's point joins it instead, or
-                            # two groups a chunk apart would keep pulling each other's 1-token
-                            # buffers.
-                            commits.request_flush()
                         in_flight = asyncio.create_task(self._checkpoint(state, buffer))
-                        buffer, buffered, flushed = [], 0, commits.flush_requests
-            finally:
-                commits.generating -= 1  # its stream is over: no flush point waits for it
+                        buffer, buffered, flushed = [], 0, point
         except RequestAborted:
-            reason, detail = self._stop_reasons.get(rid, (AbortReason.SHUTDOWN, ""))
+            reason, detail = attempt.stop or (AbortReason.SHUTDOWN, "")
             state = await self._settle(in_flight, state)
             return RunResult(Outcome.ABORTED, await self._abort(state, buffer, reason, detail))
         except EngineDead as exc:
@@ -302,7 +295,7 @@ class RolloutRunner:
         last = buffer[-1] if buffer else None
         if last is None or last.finish_reason is None:
             raise EngineError(f"engine stream for {rid} ended without a finish reason")
-        done = await self._finish(state, buffer, last.finish_reason, last.stop_reason)
+        done = await self._finish(attempt, state, buffer, last.finish_reason, last.stop_reason)
         return RunResult(Outcome.FINISHED, done)
 
     async def _settle(
@@ -320,6 +313,7 @@ class RolloutRunner:
 
     async def _finish(
         self,
+        attempt: _Attempt,
         state: RolloutState,
         chunks: list[Chunk],
         reason: FinishReason,
@@ -329,8 +323,7 @@ class RolloutRunner:
         # The next rollout may start once these are stamped. Aborts keep their slot until
         # saved: an abort may be the engine dying or the worker stopping, and a slot freed
         # then would only take another job to abort.
-        if (free := self._engine_free.pop(state.rollout_id, None)) is not None:
-            free()
+        attempt.free_engine()
         return await self.checkpointer.append(state, events)
 
     async def _abort(

@@ -23,14 +23,13 @@ import logging
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from statemachine import AbortReason
 from store.weights import WeightRegistry, WeightVersion
+from workers.engines.base import Engine
 from workers.errors import EngineDead, EngineError
-
-if TYPE_CHECKING:
-    from workers.worker import Worker
+from workers.runner import RolloutRunner
 
 log = logging.getLogger("rollouts.weights")
 
@@ -54,8 +53,19 @@ class UpdateTiming:
     done_at: float
 
 
+class Host(Protocol):
+    """What the follower needs of its worker (``workers.worker.Worker``), named here so
+    that this module does not import the worker, which imports it."""
+
+    engine: Engine
+    admitting: asyncio.Event
+    runner: RolloutRunner
+
+    def engine_died(self, error: str) -> None: ...
+
+
 class WeightFollower:
-    def __init__(self, worker: Worker, registry: WeightRegistry, mode: WeightMode) -> None:
+    def __init__(self, worker: Host, registry: WeightRegistry, mode: WeightMode) -> None:
         self.worker = worker
         self.registry = registry
         self.mode = mode
