@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from side_by_side import compare, direct, durable, requests
 
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from workers.engines.synthetic import SyntheticEngine
 
 

@@ -39,15 +39,15 @@ from rq import Queue, Retry
 
 from statemachine import RolloutRequest, SamplingParams, Started, TokensAppended
 from store.client import RolloutClient
-from store.server import RedisServer
-from workers import worker_main
+from store.redis_server import RedisServer
+from workers import worker_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [101, 7, 350, 12, 999]
 
 
 def worker(url: str, model: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
-    cmd = worker_main.command(url, model, name, concurrency=1)
+    cmd = worker_cli.command(url, model, name, concurrency=1)
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
 
 

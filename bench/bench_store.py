@@ -37,7 +37,7 @@ from statemachine import (
     TokensAppended,
 )
 from store import EventStore, Keys
-from store.server import RedisServer
+from store.redis_server import RedisServer
 
 LAYERS, TOP_K, EXPERTS = 48, 8, 128
 

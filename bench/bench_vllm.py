@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from side_by_side import compare, direct, requests  # the same measurement as for the CPU engine
 
-from store.server import RedisServer
+from store.redis_server import RedisServer
 
 
 def redirect_vllm_files(root: Path) -> None:

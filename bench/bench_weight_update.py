@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from statemachine import Cancelled, RolloutRequest, SamplingParams, TokensAppended
 from store.client import RolloutClient
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from workers.runner import Cadence
 from workers.worker import Worker, WorkerConfig
 

@@ -35,8 +35,8 @@ from statemachine.events import (
     fence_of,
 )
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest, SamplingParams
-from statemachine.state import RolloutState
-from statemachine.states import LIVE, TERMINAL, WAITING, AbortReason, FinishReason, Status
+from statemachine.rollout_state import RolloutState
+from statemachine.status import LIVE, TERMINAL, WAITING, AbortReason, FinishReason, Status
 from statemachine.transitions import EVENT_TYPES, TRANSITIONS, apply, fold
 
 __all__ = [

@@ -40,8 +40,8 @@ from statemachine.events import (
     TokensAppended,
 )
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest
-from statemachine.state import RolloutState
-from statemachine.states import AbortReason, FinishReason, Status
+from statemachine.rollout_state import RolloutState
+from statemachine.status import AbortReason, FinishReason, Status
 
 EVENT_MAGIC = b"R"
 SNAPSHOT_MAGIC = b"S"

@@ -28,8 +28,8 @@ from statemachine.events import (
     TokensAppended,
 )
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest
-from statemachine.state import RolloutState
-from statemachine.states import LIVE, AbortReason, FinishReason, Status
+from statemachine.rollout_state import RolloutState
+from statemachine.status import LIVE, AbortReason, FinishReason, Status
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

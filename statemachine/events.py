@@ -23,7 +23,7 @@ from statemachine.arrays import (
 )
 from statemachine.errors import InvalidEvent
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest
-from statemachine.states import AbortReason, FinishReason
+from statemachine.status import AbortReason, FinishReason
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,8 +23,8 @@ from statemachine.events import (
     Submitted,
     TokensAppended,
 )
-from statemachine.state import RolloutState
-from statemachine.states import Status
+from statemachine.rollout_state import RolloutState
+from statemachine.status import Status
 
 P, G, A, R = Status.PENDING, Status.GENERATING, Status.ABORTED, Status.RESUMED
 

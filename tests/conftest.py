@@ -12,7 +12,7 @@ import pytest_asyncio
 import redis.asyncio as aredis
 
 from store import EventStore
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests.engine_pool import EnginePool
 from tests.engine_pool import cpu_pool as cpu_engine_pool
 

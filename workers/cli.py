@@ -37,15 +37,15 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _configure_worker(parser: argparse.ArgumentParser) -> None:
-    from workers import worker_main  # noqa: PLC0415
+    from workers import worker_cli  # noqa: PLC0415
 
-    worker_main.configure(parser)
+    worker_cli.configure(parser)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from workers import worker_main  # noqa: PLC0415
+    from workers import worker_cli  # noqa: PLC0415
 
-    return worker_main.run(args)
+    return worker_cli.run(args)
 
 
 def _configure_demo(parser: argparse.ArgumentParser) -> None:

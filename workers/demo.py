@@ -27,8 +27,8 @@ from statemachine import RolloutRequest, SamplingParams
 from store.client import RolloutClient
 from store.connection import URL_ENV, redact
 from store.errors import InvalidRedisUrl
-from store.server import RedisServer
-from workers import redis_options, worker_main
+from store.redis_server import RedisServer
+from workers import redis_options, worker_cli
 
 PROMPTS = [
     "the durable rollout",
@@ -67,7 +67,7 @@ def _model(path: str | None) -> Path:
 
 def _start_worker(url: str, model: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
     # The URL travels in the environment: on the command line `ps` would show its password.
-    cmd = worker_main.command(None, model, name, "--checkpoint-tokens", "8", concurrency=2)
+    cmd = worker_cli.command(None, model, name, "--checkpoint-tokens", "8", concurrency=2)
     env = {**os.environ, URL_ENV: url}
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 

@@ -52,7 +52,7 @@ class InProcessWorker(BaseWorker):
 
 
 @dataclass(slots=True)
-class Running:
+class TakenJob:
     """A job this worker took from rq. ``problem`` says why it is not a rollout job we can
     run (anyone with write access to Redis can enqueue anything); then ``rollout_id`` is ""."""
 
@@ -93,13 +93,14 @@ class RqBridge:
             serializer=JSONSerializer,
             worker_ttl=InProcessWorker.execution_ttl * 2,
         )
-        self._bk = ThreadPoolExecutor(1, thread_name_prefix="rq-books")
-        self._dq = ThreadPoolExecutor(1, thread_name_prefix="rq-dequeue")
-        self.running: dict[str, Running] = {}  # execution id -> job
+        self._books_thread = ThreadPoolExecutor(1, thread_name_prefix="rq-books")
+        self._dequeue_thread = ThreadPoolExecutor(1, thread_name_prefix="rq-dequeue")
+        self.running: dict[str, TakenJob] = {}  # execution id -> job
 
     async def _books(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._bk, functools.partial(fn, *args, **kwargs))
+        call = functools.partial(fn, *args, **kwargs)
+        return await loop.run_in_executor(self._books_thread, call)
 
     async def register(self) -> None:
         def birth() -> None:
@@ -108,12 +109,12 @@ class RqBridge:
 
         await self._books(birth)
 
-    async def dequeue(self, timeout: int) -> Running | None:
+    async def dequeue(self, timeout: int) -> TakenJob | None:
         """Block (in a thread) up to ``timeout`` s for a job; mark it started as ours."""
         loop = asyncio.get_running_loop()
         try:
             found = await loop.run_in_executor(
-                self._dq,
+                self._dequeue_thread,
                 functools.partial(
                     Queue.dequeue_any,
                     self.queues,
@@ -129,7 +130,7 @@ class RqBridge:
             return None
         job, queue = found
 
-        def start() -> Running:
+        def start() -> TakenJob:
             # rq's prepare_execution and prepare_job_execution, the same commands in one round
             # trip instead of two (this runs once per rollout).
             w = self.worker
@@ -145,7 +146,7 @@ class RqBridge:
                     pipe.lrem(queue.intermediate_queue_key, 1, job.id)
                 pipe.execute()
             w.executions[execution.id] = execution
-            return Running(job, queue, execution)
+            return TakenJob(job, queue, execution)
 
         running = await self._books(start)
         running.rollout_id, running.problem = job_problem(job)
@@ -164,7 +165,7 @@ class RqBridge:
 
         await self._books(beat)
 
-    async def succeed(self, r: Running, result: dict[str, Any]) -> None:
+    async def succeed(self, r: TakenJob, result: dict[str, Any]) -> None:
         def done() -> None:
             r.job.ended_at = now()
             r.job._result = result
@@ -177,7 +178,7 @@ class RqBridge:
 
         await self._finish(r, done, even_if_failed=True)
 
-    async def fail(self, r: Running, error: str) -> None:
+    async def fail(self, r: TakenJob, error: str) -> None:
         def done() -> None:
             r.job.ended_at = now()
             self.worker.handle_job_failure(r.job, r.queue, exc_string=error, execution=r.execution)
@@ -185,7 +186,7 @@ class RqBridge:
 
         await self._finish(r, done)
 
-    async def requeue(self, r: Running, *, at_front: bool, queue: str | None = None) -> None:
+    async def requeue(self, r: TakenJob, *, at_front: bool, queue: str | None = None) -> None:
         """Put a started job back on a queue: its own, or ``queue`` (the rollout's recorded
         queue, when the job came from another). Shutdown, weight update, retry."""
         target = r.queue if queue is None or queue == r.queue.name else self._queue(queue)
@@ -205,7 +206,7 @@ class RqBridge:
 
         await self._finish(r, back, even_if_failed=True)
 
-    async def supersede(self, r: Running) -> None:
+    async def supersede(self, r: TakenJob) -> None:
         """End a job whose rollout another attempt owns (a duplicate delivery, or a run that
         was fenced out): rq lists it as canceled, not as a success or a failure; the job that
         owns the rollout reports its outcome."""
@@ -224,7 +225,7 @@ class RqBridge:
         return rollout_queue(self.connection, name)
 
     async def _finish(
-        self, r: Running, fn: Callable[[], None], *, even_if_failed: bool = False
+        self, r: TakenJob, fn: Callable[[], None], *, even_if_failed: bool = False
     ) -> None:
         def guarded() -> None:
             # rq's maintenance (even `rq info`) fails executions whose heartbeat lapsed (a
@@ -253,6 +254,6 @@ class RqBridge:
             await self._books(self.worker.register_death)
         finally:
             # Not waiting: a thread stuck in a Redis call must not block the event loop on exit.
-            self._bk.shutdown(wait=False, cancel_futures=True)
-            self._dq.shutdown(wait=False, cancel_futures=True)
+            self._books_thread.shutdown(wait=False, cancel_futures=True)
+            self._dequeue_thread.shutdown(wait=False, cancel_futures=True)
             self.connection.close()

@@ -30,7 +30,7 @@ from store.weights import WeightRegistry
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Engine
 from workers.reaper import Reaper
-from workers.rq_bridge import RqBridge, Running
+from workers.rq_bridge import RqBridge, TakenJob
 from workers.runner import Cadence, Outcome, RolloutRunner, RunResult, Stats
 from workers.weight_updates import WeightFollower, WeightMode
 
@@ -206,7 +206,9 @@ class Worker:
         self.tasks.pop(execution_id, None)
         slot.release()
 
-    async def _run_job(self, rq: RqBridge, running: Running, free_slot: Callable[[], None]) -> None:
+    async def _run_job(
+        self, rq: RqBridge, running: TakenJob, free_slot: Callable[[], None]
+    ) -> None:
         rid = running.rollout_id
         await self.admitting.wait()  # dequeued just as an update began: start on new weights
         try:
@@ -246,7 +248,7 @@ class Worker:
     async def _settle(
         self,
         rq: RqBridge,
-        running: Running,
+        running: TakenJob,
         result: RunResult,
         free_slot: Callable[[], None],
     ) -> None:
@@ -290,7 +292,7 @@ class Worker:
             await self._books(lambda: rq.succeed(running, summary))
 
     async def _refuse(
-        self, rq: RqBridge, running: Running, reason: str, *, recorded: bool = False
+        self, rq: RqBridge, running: TakenJob, reason: str, *, recorded: bool = False
     ) -> None:
         self.stats.outcomes["refused"] = self.stats.outcomes.get("refused", 0) + 1
         log.error(
@@ -309,7 +311,7 @@ class Worker:
             return False
 
     async def _back_off(
-        self, rq: RqBridge, running: Running, free_slot: Callable[[], None] | None, why: str
+        self, rq: RqBridge, running: TakenJob, free_slot: Callable[[], None] | None, why: str
     ) -> None:
         """Hold the job for a backoff that doubles with each failure of its rollout on this
         worker (capped), then give it back. The slot is freed meanwhile: other rollouts run."""
@@ -329,7 +331,7 @@ class Worker:
         await self._give_back(rq, running, queue, at_front=False)
 
     async def _give_back(
-        self, rq: RqBridge, running: Running, queue: str | None, *, at_front: bool
+        self, rq: RqBridge, running: TakenJob, queue: str | None, *, at_front: bool
     ) -> None:
         if await self._books(lambda: rq.requeue(running, at_front=at_front, queue=queue)):
             log.debug("rollout %s: job back on %s", running.rollout_id, queue)

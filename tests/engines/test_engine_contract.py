@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from statemachine.request import SamplingParams
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 from workers.engines.base import Engine, EngineRequest
 from workers.engines.stream import Generation, collect_request
 from workers.errors import EngineError, RequestAborted

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from statemachine.request import SamplingParams
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 from workers.engines.base import EngineRequest
 from workers.engines.http_pool import HttpOptions, HttpStatusError, ServerPool
 from workers.engines.stream import collect_request

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from statemachine.request import SamplingParams
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 from workers.engines.sampling import banned_tokens, sample, step_seed
 from workers.engines.stopping import StopChecker
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 from workers.engines.vllm_local import routes_for_tokens
 from workers.engines.vllm_wire import (
     decode_choice,

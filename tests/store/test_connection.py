@@ -13,7 +13,7 @@ import pytest
 from redis.exceptions import AuthenticationError, ResponseError
 
 from store import connection, errors
-from store.server import RedisServer
+from store.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis_server
 

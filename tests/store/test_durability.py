@@ -14,7 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from statemachine import Event, RolloutState
 from store import EventStore
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests import factories as f
 
 pytestmark = pytest.mark.redis_server

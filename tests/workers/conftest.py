@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests.vllm_plugin import release_vllm
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from statemachine import Aborted, Event, Failed, Finished, Resumed, SamplingParams, Started
 from tests.engine_pool import EnginePool
 from workers.engines.base import EngineRequest
-from workers.worker_main import command
+from workers.worker_cli import command
 
 
 def start_worker(

@@ -24,7 +24,7 @@ from statemachine import (
 )
 from store.client import RolloutClient
 from store.queue import enqueue_rollouts, rollout_queue
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests.engine_pool import EnginePool
 from tests.workers.helpers import direct_greedy, greedy, random_prompts, start_worker, stop
 

@@ -15,10 +15,10 @@ import pytest
 
 from statemachine import Resumed, RolloutRequest, Started, Status
 from store.client import RolloutClient
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests.engine_pool import EnginePool
 from tests.workers.helpers import direct_greedy, greedy, random_prompts, start_worker, stop
-from workers.worker_main import command
+from workers.worker_cli import command
 
 pytestmark = pytest.mark.redis_server
 

@@ -16,7 +16,7 @@ from store import EventStore
 from store.event_store import HEAD
 from store.leases import Leases, now_ms
 from store.queue import rollout_queue
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests import factories as f
 from workers.reaper import Reaper
 

@@ -16,7 +16,7 @@ from statemachine import Status, Submitted
 from store import EventStore
 from store.leases import Leases, now_ms
 from store.queue import JOB_FUNC, enqueue_rollouts, rollout_queue
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests import factories as f
 from workers.engines.synthetic import SyntheticEngine
 from workers.reaper import Reaper

@@ -12,7 +12,7 @@ from statemachine import Aborted, AbortReason, Status
 from store import EventStore
 from store.connection import connect_sync
 from store.queue import enqueue_rollouts, rollout_queue
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from store.weights import WeightRegistry
 from tests import factories as f
 from workers.engines.synthetic import SyntheticEngine

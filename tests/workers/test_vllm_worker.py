@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 from statemachine import Aborted, AbortReason, RolloutRequest, SamplingParams, Status
-from statemachine.states import LIVE
+from statemachine.status import LIVE
 from store.client import RolloutClient
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests.vllm_plugin import release_vllm
 from tests.workers.helpers import attempt_intervals, max_overlap, stop
 from workers.engines.base import EngineRequest
 from workers.engines.stream import collect_request
-from workers.worker_main import command
+from workers.worker_cli import command
 
 pytestmark = [
     pytest.mark.redis_server,

@@ -18,7 +18,7 @@ from statemachine import (
     TokensAppended,
 )
 from store.client import RolloutClient
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests.engine_pool import EnginePool
 from tests.workers.helpers import direct_greedy, greedy, random_prompts, start_worker, stop
 from workers.tiny_model import make_tiny_checkpoint

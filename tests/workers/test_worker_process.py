@@ -17,7 +17,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from statemachine import RolloutRequest, SamplingParams, Status
 from store.client import RolloutClient
 from store.queue import enqueue_rollouts, rollout_queue
-from store.server import RedisServer
+from store.redis_server import RedisServer
 from tests.engine_pool import EnginePool
 from tests.engines.test_cpu_moe import hf_routing
 from tests.workers.helpers import (

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from store.connection import URL_ENV
-from store.server import RedisServer
+from store.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis_server
 

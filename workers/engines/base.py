@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from statemachine.request import SamplingParams
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

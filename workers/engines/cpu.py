@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from statemachine.codec import unpack_array
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 from workers.engines.base import Chunk, EngineRequest
 from workers.engines.cpu_wire import FrameReader, write_frame
 from workers.engines.identity import model_identity

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from statemachine.request import SamplingParams
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 
 Decode = Callable[[Sequence[int]], str]
 

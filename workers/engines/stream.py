@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 from workers.engines.base import Chunk, Engine, EngineRequest
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from statemachine.request import SamplingParams
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 from workers.engines.base import EngineRequest
 from workers.errors import EngineError, WeightLoadError
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from statemachine.states import FinishReason
+from statemachine.status import FinishReason
 from workers.errors import WireFormatError
 
 # What vLLM 0.32 sends for routed experts (`numpy2base64`: uint8/uint16/int32 by expert

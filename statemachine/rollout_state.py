@@ -11,7 +11,7 @@ import numpy.typing as npt
 from statemachine.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, concat
 from statemachine.events import TokensAppended
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest, SamplingParams
-from statemachine.states import LIVE, TERMINAL, AbortReason, FinishReason, Status
+from statemachine.status import LIVE, TERMINAL, AbortReason, FinishReason, Status
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
