@@ -32,6 +32,14 @@ LEASE_TTL_S = 5.0
 HEARTBEAT_S = 1.0
 REAP_INTERVAL_S = 1.0
 
+# rq's view of a job: its execution is heartbeated every RQ_HEARTBEAT_S; one not heartbeated for
+# RQ_EXECUTION_TTL_S belonged to a dead worker, and every worker's reaper requeues such jobs
+# (a worker killed after taking a job but before leasing its rollout, or after aborting it but
+# before requeueing, left the rollout with no lease and no live job: lost for good). rq's own
+# default of 60-90 s and more is too slow for preemptible nodes.
+RQ_HEARTBEAT_S = 3.0
+RQ_EXECUTION_TTL_S = 15.0
+
 # -- shutdown -----------------------------------------------------------------------------------
 # A stopping worker gives its rollouts this long to save their progress and requeue their
 # jobs (normally a checkpoint round trip); any left are cancelled (their leases then lapse

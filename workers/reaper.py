@@ -24,15 +24,23 @@ from statemachine import LIVE, AbortReason, CodecError, CorruptRecord, RolloutSt
 from store import AppendRefused, EventStore, RolloutNotFound
 from store.leases import Leases
 from store.queue import enqueue_rollouts_async, rollout_queue
+from workers.rq_bridge import RqBridge
 
 log = logging.getLogger("rollouts.reaper")
 
 
 class Reaper:
-    def __init__(self, store: EventStore, leases: Leases, connection: SyncRedis) -> None:
+    def __init__(
+        self,
+        store: EventStore,
+        leases: Leases,
+        connection: SyncRedis,
+        jobs: RqBridge | None = None,
+    ) -> None:
         self.store = store
         self.leases = leases
         self.connection = connection  # rq's (synchronous) connection
+        self.jobs = jobs  # the worker's rq bridge: abandoned jobs of its queues go back
         self._queues: dict[str, Queue] = {}
         self.recovered = 0
         self.quarantined = 0
@@ -50,6 +58,13 @@ class Reaper:
                 # Redis hiccup or a bug on this one rollout: its lease is still expired, so
                 # the next pass tries again; the leases behind it are not held up.
                 log.warning("rollout %s: reaping failed; retrying next pass", rid, exc_info=True)
+        if self.jobs is not None:
+            try:
+                for job_id in await self.jobs.requeue_abandoned():
+                    log.warning("job %s: abandoned by a dead worker, requeued", job_id)
+            except Exception:
+                # Redis hiccup: the abandoned jobs are still there next pass.
+                log.warning("sweep of abandoned jobs failed", exc_info=True)
         self.recovered += len(given_back)
         return given_back
 

@@ -10,6 +10,7 @@ blocking dequeue has its own thread so it never delays a heartbeat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,14 +18,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rq import Queue
-from rq.exceptions import DequeueTimeout
+from rq.exceptions import DequeueTimeout, InvalidJobOperation
 from rq.executions import Execution
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
+from store import defaults
 from store.connection import connect_sync
 from store.errors import InvalidRolloutId
 from store.keys import check_rollout_id
@@ -41,7 +44,9 @@ class InProcessWorker(BaseWorker):
 
     # rq's default death penalty uses signal.alarm, which only works on the main thread.
     death_penalty_class = TimerDeathPenalty
-    execution_ttl = 60  # seconds an execution stays "started" without a heartbeat
+    # Seconds an execution stays "started" without a heartbeat; then it is abandoned and
+    # ``requeue_abandoned`` gives its job back. The worker beats every RQ_HEARTBEAT_S.
+    execution_ttl = int(defaults.RQ_EXECUTION_TTL_S)
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # rq derives it from job.timeout; generations are long and our heartbeat is regular.
@@ -83,7 +88,14 @@ def job_problem(job: Job) -> tuple[str, str | None]:
 
 
 class RqBridge:
-    def __init__(self, url: str, queue_names: list[str], name: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        queue_names: list[str],
+        name: str,
+        *,
+        execution_ttl_s: float = defaults.RQ_EXECUTION_TTL_S,
+    ) -> None:
         self.connection = connect_sync(url)
         self.queues = [rollout_queue(self.connection, n) for n in queue_names]
         self.worker = InProcessWorker(
@@ -91,8 +103,9 @@ class RqBridge:
             name=name,
             connection=self.connection,
             serializer=JSONSerializer,
-            worker_ttl=InProcessWorker.execution_ttl * 2,
+            worker_ttl=max(1, round(execution_ttl_s)) * 2,
         )
+        self.worker.execution_ttl = max(1, round(execution_ttl_s))
         self._books_thread = ThreadPoolExecutor(1, thread_name_prefix="rq-books")
         self._dequeue_thread = ThreadPoolExecutor(1, thread_name_prefix="rq-dequeue")
         self.running: dict[str, TakenJob] = {}  # execution id -> job
@@ -155,7 +168,7 @@ class RqBridge:
 
     async def heartbeat(self) -> None:
         def beat() -> None:
-            ttl = InProcessWorker.execution_ttl
+            ttl = self.worker.execution_ttl
             with self.connection.pipeline() as pipe:
                 self.worker.heartbeat(ttl * 2, pipeline=pipe)
                 for r in list(self.running.values()):
@@ -220,6 +233,66 @@ class RqBridge:
             self._idle_if_empty()
 
         await self._finish(r, done)
+
+    def forget(self, r: TakenJob) -> None:
+        """Stop heartbeating a job whose bookkeeping could not be done (Redis stayed away):
+        rq then calls it abandoned, and ``requeue_abandoned`` on some worker gives it back."""
+        self.running.pop(r.execution.id, None)
+
+    async def requeue_abandoned(self) -> list[str]:
+        """Give back the jobs of this worker's queues that a dead worker held: executions
+        whose heartbeat lapsed, and jobs stuck between the queue and the started registry
+        (a worker killed mid-dequeue). rq's own maintenance fails them as abandoned; nothing
+        would run their rollouts again, which would wait forever (their leases, if any, were
+        already dropped or reaped). Returns the requeued job ids. A job whose rollout has
+        ended meanwhile runs, finds it ended, and reports success."""
+
+        def sweep() -> list[str]:
+            requeued = []
+            for q in self.queues:
+                requeued += self._requeue_stuck_dequeues(q)
+                started = q.started_job_registry
+                expired = started.get_expired_job_ids()
+                if not expired:
+                    continue
+                started.cleanup()  # what `rq info` would do: lapsed executions -> failed
+                failed = q.failed_job_registry
+                for job_id in dict.fromkeys(expired):
+                    job = q.fetch_job(job_id)
+                    if job is None or job.get_status() != JobStatus.FAILED:
+                        continue
+                    with contextlib.suppress(InvalidJobOperation):
+                        # Another worker's sweep requeued it first.
+                        failed.requeue(job, at_front=True)
+                        requeued.append(job_id)
+            return requeued
+
+        return await self._books(sweep)
+
+    def _requeue_stuck_dequeues(self, q: Queue) -> list[str]:
+        """Jobs a worker took off ``q`` (into rq's intermediate list) and never started: it
+        died in between. rq's own cleanup fails them after a minute; these go back to the
+        front of the queue once seen stuck for an execution TTL. A worker that is merely
+        slow to start one (a sub-second step) at worst gets a duplicate delivery, which the
+        fencing turns into a superseded job."""
+        intermediate = IntermediateQueue(q.key, connection=self.connection)
+        stuck = intermediate.get_job_ids()
+        if not stuck:
+            return []
+        live = set(q.started_job_registry.get_job_ids(cleanup=False))
+        requeued = []
+        for job_id in stuck:
+            if job_id in live:
+                continue
+            intermediate.set_first_seen(job_id)  # NX: the first sweep that saw it
+            seen = intermediate.get_first_seen(job_id)
+            if seen is None or (now() - seen).total_seconds() < self.worker.execution_ttl:
+                continue
+            # LREM decides the race between sweeps: only the one that removed it pushes it.
+            if self.connection.lrem(intermediate.key, 1, job_id):
+                q.push_job_id(job_id, at_front=True)
+                requeued.append(job_id)
+        return requeued
 
     def _queue(self, name: str) -> Queue:
         return rollout_queue(self.connection, name)

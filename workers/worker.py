@@ -56,6 +56,9 @@ class WorkerConfig:
     weight_mode: WeightMode = WeightMode.ABORT
     # What attempts record as their model; None: the engine's own identity.
     model_id: str | None = None
+    # rq calls a job abandoned (and some worker requeues it) after this long without our
+    # heartbeat; heartbeats go out every RQ_HEARTBEAT_S (or every lease heartbeat, if slower).
+    rq_execution_ttl_s: float = defaults.RQ_EXECUTION_TTL_S
 
 
 class _Slot:
@@ -118,11 +121,13 @@ class Worker:
             model_id=cfg.model_id,
         )
         self.store = store
-        rq = self._rq = RqBridge(cfg.redis_url, list(cfg.queues), cfg.name)
+        rq = self._rq = RqBridge(
+            cfg.redis_url, list(cfg.queues), cfg.name, execution_ttl_s=cfg.rq_execution_ttl_s
+        )
         self.weights = WeightFollower(self, WeightRegistry(client), cfg.weight_mode)
         await self.weights.catch_up()
         await rq.register()
-        reaper = Reaper(store, leases, rq.connection)
+        reaper = Reaper(store, leases, rq.connection, rq)
         # Background loops stop on this event, checked every iteration: a cancel alone can
         # be lost inside redis-py (seen: 15 in 400 with socket_timeout set), and a worker
         # waiting on a loop that never ends never exits.
@@ -260,7 +265,8 @@ class Worker:
             budget = self.config.max_engine_attempts
             if errors >= budget:
                 await self._fail(state, result.error or "engine error", errors)
-                await self._books(lambda: rq.fail(running, f"rollout {rid} failed: {result.error}"))
+                why = f"rollout {rid} failed: {result.error}"
+                await self._books(lambda: rq.fail(running, why), running)
                 return
             log.warning(
                 "rollout %s attempt %d: engine error %d of %d on %s, retrying: %s",
@@ -286,10 +292,10 @@ class Worker:
                 "rollout %s: job %s superseded (%s): attempt %d of worker %s owns it",
                 rid, running.job.id, outcome.value, state.attempt, state.worker_id,
             )  # fmt: skip
-            await self._books(lambda: rq.supersede(running))
+            await self._books(lambda: rq.supersede(running), running)
         else:
             summary = {"rollout_id": rid, "status": state.status.value, "outcome": outcome.value}
-            await self._books(lambda: rq.succeed(running, summary))
+            await self._books(lambda: rq.succeed(running, summary), running)
 
     async def _refuse(
         self, rq: RqBridge, running: TakenJob, reason: str, *, recorded: bool = False
@@ -300,7 +306,7 @@ class Worker:
             running.job.id, running.rollout_id or "?",
             ", rollout recorded as failed" if recorded else "", reason,
         )  # fmt: skip
-        await self._books(lambda: rq.fail(running, reason))
+        await self._books(lambda: rq.fail(running, reason), running)
 
     async def _fail_unreadable(self, rid: str, exc: CodecError) -> bool:
         try:
@@ -333,10 +339,15 @@ class Worker:
     async def _give_back(
         self, rq: RqBridge, running: TakenJob, queue: str | None, *, at_front: bool
     ) -> None:
-        if await self._books(lambda: rq.requeue(running, at_front=at_front, queue=queue)):
+        back = await self._books(
+            lambda: rq.requeue(running, at_front=at_front, queue=queue), running
+        )
+        if back:
             log.debug("rollout %s: job back on %s", running.rollout_id, queue)
 
-    async def _books(self, call: Callable[[], Awaitable[None]]) -> bool:
+    async def _books(
+        self, call: Callable[[], Awaitable[None]], job: TakenJob | None = None
+    ) -> bool:
         """One piece of rq bookkeeping, retried with backoff through a Redis outage longer
         than the client's own retries: a job left "started" with nobody heartbeating it is
         later declared abandoned and failed by rq, whatever became of its rollout. Gives up
@@ -356,6 +367,9 @@ class Worker:
                 if left <= 0:
                     log.error("rq bookkeeping failed; the job stays as rq last saw it",
                               exc_info=True)  # fmt: skip
+                    if self._rq is not None and job is not None:
+                        # No more heartbeats: rq calls it abandoned, a sweep gives it back.
+                        self._rq.forget(job)
                     return False
                 log.warning("rq bookkeeping failed; retrying in %.1f s", delay)
                 await asyncio.sleep(min(delay, left))
@@ -387,11 +401,13 @@ class Worker:
 
     async def _heartbeat(self, rq: RqBridge, leases: Leases, stop: asyncio.Event) -> None:
         beats = 0
+        rq_s = min(defaults.RQ_HEARTBEAT_S, self.config.rq_execution_ttl_s / 3)
+        rq_every = max(1, round(rq_s / self.config.heartbeat_s))
         while not stop.is_set():
             try:
                 # Every lease this worker holds, renewed in one command.
                 await leases.renew(self.runner.active, self.config.lease_ttl_s)
-                if beats % 5 == 0:
+                if beats % rq_every == 0:
                     await rq.heartbeat()
             except Exception:
                 # A missed beat is survivable (the TTLs span several); keep beating.
