@@ -15,6 +15,7 @@ from store import defaults
 from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
 from workers import redis_options
+from workers.die_with_parent import ask_children_to_die_with_me
 from workers.engine_factory import ENGINES, make_engine
 from workers.runner import Cadence
 from workers.weight_updates import WeightMode
@@ -117,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return _refuse(problem)
     log.info("Redis at %s", redact(redis_url))
+    if args.engine == "vllm":
+        # vLLM's engine processes must not outlive this one (SIGKILL included).
+        ask_children_to_die_with_me()
     engine = make_engine(args.engine, args.model, weight_version=args.weight_version)
     extra = {"name": args.name} if args.name else {}
     config = WorkerConfig(

@@ -22,10 +22,10 @@ from statemachine import Aborted, AbortReason, RolloutRequest, SamplingParams, S
 from statemachine.status import LIVE
 from store.client import RolloutClient
 from store.redis_server import RedisServer
+from tests.engines.stream import collect_request
 from tests.vllm_plugin import release_vllm
 from tests.workers.helpers import attempt_intervals, max_overlap, stop
 from workers.engines.base import EngineRequest
-from workers.engines.stream import collect_request
 from workers.worker_cli import command
 
 pytestmark = [
@@ -135,3 +135,56 @@ async def _any_abort(client: RolloutClient, ids: list[str], version: int) -> boo
             ):
                 return True
     return False
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid``, from /proc's children lists."""
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = {int(k) for k in (task / "children").read_text().split()}
+            except OSError:
+                continue  # it exited meanwhile
+            todo += list(kids - out)
+            out |= kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent has not reaped it yet
+
+
+async def test_a_killed_vllm_workers_engine_processes_die_with_it(
+    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path, vllm_env: Path
+) -> None:
+    # Before: the EngineCore and VLLM::Worker processes of a SIGKILLed worker ran on forever
+    # (~1.5 GB each here; on a GPU, the memory the restarted worker needs).
+    await release_vllm()
+    log = tmp_path / "v.log"
+    worker = start_vllm_worker(server.url, tiny_dense_dir, "doomed", log)
+    try:
+        deadline = time.monotonic() + 240
+        while b"up to" not in log.read_bytes():  # its "worker ... on ..." line: engine loaded
+            assert worker.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            await asyncio.sleep(0.2)
+        engine_procs = _descendants(worker.pid)
+        assert engine_procs, "the vLLM engine runs no process of its own?"
+        worker.kill()
+        worker.wait(10)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in engine_procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        survivors = [p for p in engine_procs if _alive(p)]
+        assert survivors == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in survivors]
+    finally:
+        for p in _descendants(worker.pid) if worker.poll() is None else ():
+            os.kill(p, 9)
+        stop(worker)
