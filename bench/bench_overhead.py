@@ -6,7 +6,7 @@
 (c) ceiling: a synthetic engine that yields 16-token chunks with 48-layer x top-8 routes as fast
     as the worker takes them: the bookkeeping ceiling of one worker process.
 
-The CPU engine's model runs in a process of its own (``workers/engines/cpu_proc.py``), as
+The CPU engine's model runs in a process of its own (``workers/engines/cpu/process.py``), as
 vLLM's engine core does, so (b)'s bookkeeping runs beside decoding, not between its steps.
 
 (a) and (b) run as ``--rounds`` back-to-back pairs on one resident worker; ``ratio`` is the
@@ -48,7 +48,7 @@ async def main(args: argparse.Namespace) -> dict:
             from workers.tiny_model import make_tiny_model
 
             model = make_tiny_model(Path(tmp) / "tiny-moe", moe=True, seed=0)
-        from workers.engines.cpu import CpuEngine
+        from workers.engines.cpu.engine import CpuEngine
 
         engine = CpuEngine(model)
         reqs = requests(args.rollouts, args.max_tokens)

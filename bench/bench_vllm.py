@@ -48,7 +48,7 @@ def redirect_vllm_files(root: Path) -> None:
 
 
 async def main(args: argparse.Namespace, tmp: Path) -> dict:
-    from workers.engines.vllm_local import VllmEngine, VllmOptions
+    from workers.engines.vllm.local import VllmEngine, VllmOptions
 
     with RedisServer(tmp / "redis") as server:
         model = args.model

@@ -91,7 +91,7 @@ async def all_have(client: RolloutClient, ids: list[str], n: int) -> list[int]:
 
 
 async def main(args: argparse.Namespace) -> dict:
-    from workers.engines.cpu import CpuEngine
+    from workers.engines.cpu.engine import CpuEngine
     from workers.tiny_model import make_tiny_checkpoint, make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:

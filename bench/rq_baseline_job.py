@@ -10,7 +10,7 @@ from redis import Redis
 
 from statemachine import SamplingParams
 from workers.engines.base import EngineRequest
-from workers.engines.cpu import CpuEngine
+from workers.engines.cpu.engine import CpuEngine
 
 PROGRESS = "rqbench:progress"  # hash: execution number -> tokens generated so far
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from statemachine import Finished, RolloutRequest, SamplingParams
 from store.client import RolloutClient
-from workers.engines.base import Engine, EngineRequest
+from workers.engines.base import Engine, EngineRequest, join_chunks
 from workers.worker import Worker, WorkerConfig
 
 
@@ -50,8 +50,8 @@ async def direct(engine: Engine, reqs: list[RolloutRequest], concurrency: int) -
 
     async def one(i: int, req: RolloutRequest) -> np.ndarray:
         async with slots:
-            ids = [
-                c.token_ids
+            chunks = [
+                c
                 async for c in engine.generate(
                     EngineRequest(
                         request_id=f"direct-{time.monotonic_ns()}-{i}",
@@ -60,7 +60,7 @@ async def direct(engine: Engine, reqs: list[RolloutRequest], concurrency: int) -
                     )
                 )
             ]
-            return np.concatenate(ids)
+            return join_chunks(chunks).token_ids
 
     t0 = time.perf_counter()
     out = await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))

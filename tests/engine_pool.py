@@ -50,6 +50,6 @@ class EnginePool:
 
 
 def cpu_pool(capacity: int = 4) -> EnginePool:
-    from workers.engines.cpu import CpuEngine
+    from workers.engines.cpu.engine import CpuEngine
 
     return EnginePool(lambda d, v: CpuEngine(d, weight_version=v), capacity)

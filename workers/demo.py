@@ -132,8 +132,8 @@ async def _demo(url: str, model: Path, max_tokens: int, logs: Path) -> int:
 
 
 async def _uninterrupted(model: Path, requests: list[RolloutRequest]) -> list[np.ndarray]:
-    from workers.engines.base import EngineRequest  # noqa: PLC0415
-    from workers.engines.cpu import CpuEngine  # noqa: PLC0415
+    from workers.engines.base import EngineRequest, join_chunks  # noqa: PLC0415
+    from workers.engines.cpu.engine import CpuEngine  # noqa: PLC0415
 
     engine = CpuEngine(model)
     try:
@@ -149,7 +149,7 @@ async def _uninterrupted(model: Path, requests: list[RolloutRequest]) -> list[np
                     )
                 )
             ]
-            out.append(np.concatenate([c.token_ids for c in chunks]))
+            out.append(join_chunks(chunks).token_ids)
         return out
     finally:
         await engine.close()

@@ -10,7 +10,7 @@ from workers.engines.base import Engine
 ENGINES = ("cpu", "synthetic", "vllm", "vllm-http")
 
 # vllm: extra AsyncEngineArgs as a JSON object, e.g. '{"max_model_len": 8192, "dtype":
-# "bfloat16"}' (defaults: workers.engines.vllm_local.VllmOptions).
+# "bfloat16"}' (defaults: workers.engines.vllm.local.VllmOptions).
 VLLM_ARGS_ENV = "ROLLOUTS_VLLM_ENGINE_ARGS"
 # vllm-http: the servers, comma-separated base URLs (--model, if given, names their model
 # directory so prompts and checkpoints are checked locally).
@@ -23,7 +23,7 @@ def make_engine(
     if name == "cpu":
         if not model:
             raise ValueError("--engine cpu needs --model DIR (see `rollouts make-tiny-model`)")
-        from workers.engines.cpu import CpuEngine  # noqa: PLC0415  (torch: import on demand)
+        from workers.engines.cpu.engine import CpuEngine  # noqa: PLC0415  (torch: import on demand)
 
         return CpuEngine(model, weight_version=weight_version)
     if name == "synthetic":
@@ -33,7 +33,7 @@ def make_engine(
     if name == "vllm":
         return _make_vllm(model, weight_version)
     if name == "vllm-http":
-        from workers.engines.vllm_http import VllmHttpEngine  # noqa: PLC0415  (aiohttp)
+        from workers.engines.vllm.http import VllmHttpEngine  # noqa: PLC0415  (aiohttp)
 
         urls = servers or [u for u in os.environ.get(VLLM_SERVERS_ENV, "").split(",") if u]
         if not urls:
@@ -45,7 +45,7 @@ def make_engine(
 def _make_vllm(model: str | None, weight_version: int) -> Engine:
     if not model:
         raise ValueError("--engine vllm needs --model DIR")
-    from workers.engines.vllm_local import VllmEngine, VllmOptions  # noqa: PLC0415  (vllm)
+    from workers.engines.vllm.local import VllmEngine, VllmOptions  # noqa: PLC0415  (vllm)
 
     extra = json.loads(os.environ.get(VLLM_ARGS_ENV) or "{}")
     if not isinstance(extra, dict):

@@ -1,42 +1,11 @@
-"""Errors raised by the worker package: one base, so callers can catch the whole family."""
+"""Errors raised by the worker package: one base, so callers can catch the whole family.
+
+The engines' errors (`EngineError` and its subclasses) live in `workers.engines.errors` and
+derive from `WorkerError` too.
+"""
 
 from __future__ import annotations
 
 
 class WorkerError(Exception):
     """Base of every error raised by `workers`."""
-
-
-class EngineError(WorkerError):
-    """An engine failed to serve a request (bad input, a failed forward, a closed engine)."""
-
-
-class RequestAborted(EngineError):
-    """The request was aborted: its stream ends with this instead of a finish reason.
-
-    Raised by `Engine.generate` iterators whose request was aborted, so that a stream which
-    ends without raising always carried a finish reason on its last chunk.
-    """
-
-
-class EngineClosed(EngineError):
-    """The engine was closed; it serves no new request and no weight load."""
-
-
-class WeightLoadError(EngineError):
-    """A checkpoint could not be loaded; the engine keeps its previous weights and version."""
-
-
-class EngineUnavailable(EngineError):
-    """No healthy vLLM server could take the request, or retries ran out (vllm-http)."""
-
-
-class WireFormatError(EngineError):
-    """A vLLM server answered with something malformed (e.g. routed experts whose shape,
-    byte count or dtype do not agree); the answer is refused, never half-used."""
-
-
-class EngineDead(EngineError):
-    """The engine's core (its process) died: nothing it held can finish here, and no later
-    call will work. The worker stops and its rollouts resume elsewhere (vLLM's
-    EngineDeadError is reported as this too)."""

@@ -25,7 +25,7 @@ from store import AppendRefused, EventStore, defaults
 from store.leases import Leases, now_ms
 from workers.checkpoint import Cadence, Checkpointer
 from workers.engines.base import Chunk, Engine, EngineRequest, join_chunks
-from workers.errors import EngineDead, EngineError, RequestAborted
+from workers.engines.errors import EngineDead, EngineError, RequestAborted
 
 log = logging.getLogger("rollouts.runner")
 

@@ -28,7 +28,7 @@ from typing import Protocol
 from statemachine import AbortReason
 from store.weights import WeightRegistry, WeightVersion
 from workers.engines.base import Engine
-from workers.errors import EngineDead, EngineError
+from workers.engines.errors import EngineDead, EngineError
 from workers.runner import RolloutRunner
 
 log = logging.getLogger("rollouts.weights")

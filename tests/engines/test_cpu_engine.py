@@ -16,11 +16,11 @@ import pytest
 
 from statemachine.request import SamplingParams
 from tests.engine_pool import EnginePool
+from tests.engines.stream import collect_request
 from workers.engines.base import EngineRequest
-from workers.engines.cpu import CpuEngine
-from workers.engines.cpu_core import EngineCore
-from workers.engines.stream import collect_request
-from workers.errors import EngineClosed, EngineDead, EngineError
+from workers.engines.cpu.core import EngineCore
+from workers.engines.cpu.engine import CpuEngine
+from workers.engines.errors import EngineClosed, EngineDead, EngineError
 
 PROMPT = (11, 12, 13, 14, 15)
 
@@ -167,7 +167,7 @@ async def test_core_exits_when_its_worker_is_killed(tiny_dense_dir: Path) -> Non
     """kill -9 of the process that holds the engine leaves no orphan core behind."""
     script = (
         "import sys, time\n"
-        "from workers.engines.cpu import CpuEngine\n"
+        "from workers.engines.cpu.engine import CpuEngine\n"
         f"e = CpuEngine({str(tiny_dense_dir)!r})\n"
         "print(e.pid, flush=True)\n"
         "time.sleep(600)\n"

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from statemachine.request import SamplingParams
 from tests.engine_pool import EnginePool
+from tests.engines.stream import Generation, collect_request
 from workers.engines.base import EngineRequest, expert_dtype
-from workers.engines.cpu import CpuEngine
-from workers.engines.stream import Generation, collect_request
+from workers.engines.cpu.engine import CpuEngine
 from workers.tiny_model import NUM_EXPERTS, NUM_LAYERS, TOP_K
 
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from workers.engines.cpu_wire import FrameReader, write_frame
+from workers.engines.cpu.wire import FrameReader, write_frame
 
 
 def framed(messages: list[list[object]]) -> bytes:

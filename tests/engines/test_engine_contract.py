@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from statemachine.request import SamplingParams
 from statemachine.status import FinishReason
+from tests.engines.stream import Generation, collect_request
 from workers.engines.base import Engine, EngineRequest
-from workers.engines.stream import Generation, collect_request
-from workers.errors import EngineError, RequestAborted
+from workers.engines.errors import EngineError, RequestAborted
 from workers.tiny_model import make_tiny_model
 
 # The session loop: pooled vLLM engines are bound to it (tests/engines/vllm_support.py).

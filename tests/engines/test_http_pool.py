@@ -19,11 +19,11 @@ from aiohttp import web
 
 from statemachine.request import SamplingParams
 from statemachine.status import FinishReason
+from tests.engines.stream import collect_request
 from workers.engines.base import EngineRequest
-from workers.engines.http_pool import HttpOptions, HttpStatusError, ServerPool
-from workers.engines.stream import collect_request
-from workers.engines.vllm_http import VllmHttpEngine
-from workers.errors import EngineUnavailable, RequestAborted
+from workers.engines.errors import EngineUnavailable, RequestAborted
+from workers.engines.vllm.http import VllmHttpEngine
+from workers.engines.vllm.http_pool import HttpOptions, HttpStatusError, ServerPool
 
 FAST = HttpOptions(
     retries=3,
@@ -407,7 +407,7 @@ async def test_no_healthy_server_fails_fast(served) -> None:
 
 
 async def test_connection_error_is_retryable_and_not_4xx() -> None:
-    from workers.engines.http_pool import is_retryable, marks_unhealthy
+    from workers.engines.vllm.http_pool import is_retryable, marks_unhealthy
 
     assert is_retryable(aiohttp.ServerDisconnectedError())
     assert is_retryable(TimeoutError())

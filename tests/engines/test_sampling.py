@@ -6,8 +6,8 @@ import torch
 
 from statemachine.request import SamplingParams
 from statemachine.status import FinishReason
-from workers.engines.sampling import banned_tokens, sample, step_seed
-from workers.engines.stopping import StopChecker
+from workers.engines.cpu.sampling import banned_tokens, sample, step_seed
+from workers.engines.cpu.stopping import StopChecker
 
 
 def test_greedy_takes_argmax_and_reports_the_raw_logprob() -> None:

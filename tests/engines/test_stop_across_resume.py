@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from statemachine import SamplingParams
 from tests.engine_pool import EnginePool
-from workers.engines.base import EngineRequest
-from workers.engines.cpu import CpuEngine
+from workers.engines.base import EngineRequest, join_chunks
+from workers.engines.cpu.engine import CpuEngine
 
 
 async def run(
@@ -26,7 +24,7 @@ async def run(
             )
         )
     ]
-    return np.concatenate([c.token_ids for c in chunks]).tolist(), chunks[-1].stop_reason
+    return join_chunks(chunks).token_ids.tolist(), chunks[-1].stop_reason
 
 
 async def test_stop_string_straddling_the_resume_point(

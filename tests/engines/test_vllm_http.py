@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from statemachine.request import SamplingParams
+from tests.engines.stream import collect_request
 from tests.engines.vllm_servers import MAX_MODEL_LEN, TEST_HTTP, VllmServer
 from workers.engines.base import EngineRequest
-from workers.engines.stream import collect_request
-from workers.engines.vllm_http import VllmHttpEngine
+from workers.engines.vllm.http import VllmHttpEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_server, pytest.mark.asyncio(loop_scope="session")]
 

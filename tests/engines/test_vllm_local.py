@@ -1,7 +1,7 @@
 """In-process vLLM beyond the shared contract: abort mid-stream then resume equals the
 uninterrupted greedy run (float32), and an in-place reload equals a fresh engine on the new
 weights, for the dense and the MoE tiny model (the MoE case needs the CPU repack fix in
-workers/engines/vllm_ext.py)."""
+workers/engines/vllm/ext.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from statemachine.request import SamplingParams
+from tests.engines.stream import collect_request, merge_chunks
 from workers.engines.base import EngineRequest
-from workers.engines.stream import collect_request, merge_chunks
-from workers.errors import RequestAborted
+from workers.engines.errors import RequestAborted
 from workers.tiny_model import make_tiny_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]

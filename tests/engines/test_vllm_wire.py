@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statemachine.status import FinishReason
-from workers.engines.vllm_local import routes_for_tokens
-from workers.engines.vllm_wire import (
+from workers.engines.errors import EngineError, WireFormatError
+from workers.engines.vllm.translate import routes_for_tokens
+from workers.engines.vllm.wire import (
     decode_choice,
     decode_routed_experts,
     encode_routed_experts,
     parse_sse_line,
 )
-from workers.errors import EngineError, WireFormatError
 
 
 def npy_b64(arr: np.ndarray) -> str:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import aiohttp
 
-from workers.engines.http_pool import HttpOptions
-from workers.engines.vllm_http import VllmHttpEngine
-from workers.engines.vllm_local import EXTENSION
+from workers.engines.vllm.ext import EXTENSION
+from workers.engines.vllm.http import VllmHttpEngine
+from workers.engines.vllm.http_pool import HttpOptions
 
 MAX_MODEL_LEN = 512
 START_TIMEOUT_S = 240.0  # 2 cores shared with the rest of the suite: be patient

@@ -9,7 +9,7 @@ the loop that first uses it): the vLLM tests run on pytest-asyncio's session loo
 from __future__ import annotations
 
 from tests.engine_pool import EnginePool
-from workers.engines.vllm_local import VllmEngine, VllmOptions
+from workers.engines.vllm.local import VllmEngine, VllmOptions
 
 # Small on purpose: the tests' sequences are short, and KV space and startup scale with it.
 # One token per chunk (also the default), pinned here: the contract suite's in-flight tests

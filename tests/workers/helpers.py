@@ -11,7 +11,7 @@ import numpy as np
 
 from statemachine import Aborted, Event, Failed, Finished, Resumed, SamplingParams, Started
 from tests.engine_pool import EnginePool
-from workers.engines.base import EngineRequest
+from workers.engines.base import EngineRequest, join_chunks
 from workers.worker_cli import command
 
 
@@ -84,10 +84,6 @@ async def direct_greedy(
                 EngineRequest(request_id=f"ref{i}", prompt_token_ids=prompt, sampling=sampling)
             )
         ]
-        out.append(
-            (
-                np.concatenate([c.token_ids for c in chunks]),
-                np.concatenate([c.logprobs for c in chunks]),
-            )
-        )
+        joined = join_chunks(chunks)
+        out.append((joined.token_ids, joined.logprobs))
     return out

@@ -15,8 +15,8 @@ from store.queue import enqueue_rollouts, rollout_queue
 from store.redis_server import RedisServer
 from store.weights import WeightRegistry
 from tests import factories as f
+from workers.engines.errors import WeightLoadError
 from workers.engines.synthetic import SyntheticEngine
-from workers.errors import WeightLoadError
 from workers.worker import Worker, WorkerConfig
 
 POISON = 7

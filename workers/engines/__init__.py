@@ -1,4 +1,6 @@
-"""Engines behind one protocol: the CPU engine today, vLLM (in-process and over HTTP) later."""
+"""Engines behind one protocol (`base.Engine`), by family: the CPU engine (`cpu/`), vLLM in
+this process or over HTTP (`vllm/`), and a model-free `synthetic` engine. What the real
+engines share is written once in `inflight.py`; their errors are in `errors.py`."""
 
 from __future__ import annotations
 

@@ -8,12 +8,13 @@ producing for a request once told to.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from statemachine.arrays import smallest_route_dtype
 from statemachine.request import SamplingParams
 from statemachine.status import FinishReason
 
@@ -77,12 +78,31 @@ class Joined:
     routed_experts: np.ndarray | None  # [n, layers, top_k] or None (dense)
 
 
-def join_chunks(chunks: list[Chunk]) -> Joined:
+class Tokens(Protocol):
+    """Any piece of a stream with per-token arrays: a `Chunk`, or a vLLM server's answer."""
+
+    @property
+    def token_ids(self) -> np.ndarray: ...
+
+    @property
+    def logprobs(self) -> np.ndarray: ...
+
+
+def join_tokens(pieces: Sequence[Tokens]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (int32) and logprobs (float32) of ``pieces`` (at least one), in order."""
+    return (
+        np.concatenate([p.token_ids for p in pieces]).astype(np.int32, copy=False),
+        np.concatenate([p.logprobs for p in pieces]).astype(np.float32, copy=False),
+    )
+
+
+def join_chunks(chunks: Sequence[Chunk]) -> Joined:
     """One ``Joined`` of ``chunks`` (at least one), in order."""
+    token_ids, logprobs = join_tokens(chunks)
     routes = [c.routed_experts for c in chunks]
     return Joined(
-        token_ids=np.concatenate([c.token_ids for c in chunks]).astype(np.int32, copy=False),
-        logprobs=np.concatenate([c.logprobs for c in chunks]).astype(np.float32, copy=False),
+        token_ids=token_ids,
+        logprobs=logprobs,
         weight_versions=np.concatenate(
             [np.full(len(c.token_ids), c.weight_version, dtype=np.int64) for c in chunks]
         ),
@@ -91,11 +111,19 @@ def join_chunks(chunks: list[Chunk]) -> Joined:
 
 
 def expert_dtype(num_experts: int) -> np.dtype:
-    """The smallest unsigned integer dtype that holds every expert index (uint8 below 256)."""
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if num_experts - 1 <= np.iinfo(dtype).max:
-            return np.dtype(dtype)
-    return np.dtype(np.uint64)
+    """The smallest unsigned integer dtype that holds every expert index (uint8 below 256):
+    the one the events store routes in (``statemachine.arrays.smallest_route_dtype``)."""
+    return smallest_route_dtype(num_experts - 1)
+
+
+def config_expert_dtype(config: Mapping[str, Any]) -> np.dtype | None:
+    """``expert_dtype`` of a model's ``config.json`` (as a mapping); None for a dense model.
+
+    The expert count is ``num_experts`` (Qwen-MoE) or ``num_local_experts`` (Mixtral;
+    transformers 5 writes it for Qwen-MoE too).
+    """
+    n = config.get("num_experts") or config.get("num_local_experts")
+    return expert_dtype(int(n)) if n else None
 
 
 @runtime_checkable
@@ -104,8 +132,8 @@ class Engine(Protocol):
 
     Contract (tests/engines/test_engine_contract.py holds every engine to it):
     - `generate` streams chunks; the last one carries a finish reason and the stream then
-      ends. An aborted request's stream raises `workers.errors.RequestAborted` instead, so a
-      stream that ends quietly always ended with a finish reason.
+      ends. An aborted request's stream raises `workers.engines.errors.RequestAborted`
+      instead, so a stream that ends quietly always ended with a finish reason.
     - `abort` is idempotent, accepts unknown ids, and once it returns no further chunk of that
       request is yielded (late outputs are dropped).
     - `load_weights` loads a checkpoint directory of the same architecture in place at a safe

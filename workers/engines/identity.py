@@ -1,4 +1,5 @@
-"""Which model an engine runs, as a short string that two workers agree on.
+"""Which model an engine runs, as a short string that two workers agree on; and the eos ids
+its directory declares, which every engine reads the same way.
 
 Every attempt of a rollout records it (``Started.model``/``Resumed.model``) and the domain
 refuses an attempt on another model, so a trajectory never mixes two models' tokens, e.g.
@@ -36,3 +37,16 @@ def model_identity(model_dir: str | Path) -> str:
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not a JSON object")
     return config_identity(config)
+
+
+def eos_token_ids(model_dir: str | Path) -> frozenset[int]:
+    """Every eos id of a model directory (config.json and generation_config.json): each one
+    ends generation with stop reason None, whichever file named it."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if not path.exists():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return frozenset(int(i) for i in ids)

@@ -15,7 +15,7 @@ import numpy as np
 
 from statemachine import FinishReason
 from workers.engines.base import Chunk, EngineRequest, expert_dtype
-from workers.errors import EngineClosed, EngineError, RequestAborted
+from workers.engines.errors import EngineClosed, EngineError, RequestAborted
 
 
 class SyntheticEngine:

@@ -1,4 +1,4 @@
-"""The CPU engine's core process: `python -m workers.engines.cpu_proc --model DIR ...`.
+"""The CPU engine's core process: `python -m workers.engines.cpu.process --model DIR ...`.
 
 Started by `CpuEngine`, never by hand. It loads the model, says "ready" (or "fatal" and exits
 1), then loops: take the front end's messages (blocking only when it has nothing to compute),
@@ -24,10 +24,10 @@ import sys
 import traceback
 from typing import TYPE_CHECKING
 
-from workers.engines.cpu_wire import FrameReader, write_frame
+from workers.engines.cpu.wire import FrameReader, write_frame
 
 if TYPE_CHECKING:
-    from workers.engines.cpu_core import EngineCore
+    from workers.engines.cpu.core import EngineCore
 
 
 def serve(core: EngineCore, reader: FrameReader, out_fd: int) -> None:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch  # noqa: PLC0415
         from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
-        from workers.engines.cpu_core import EngineCore  # noqa: PLC0415
+        from workers.engines.cpu.core import EngineCore  # noqa: PLC0415
 
         torch.set_num_threads(args.threads)
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # a bar per load

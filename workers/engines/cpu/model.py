@@ -1,6 +1,6 @@
 """The transformers model behind the CPU engine: loading, one-token forwards, routing, swaps.
 
-Only the CPU engine's core (`cpu_core.EngineCore`, in a process of its own) calls into a
+Only the CPU engine's core (`cpu.core.EngineCore`, in a process of its own) calls into a
 `CpuModel` (torch modules are not safe to drive from two threads at once).
 
 Why every forward feeds exactly one token, prompt included: on CPU, a 20-token prefill and
@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from workers.engines.base import expert_dtype
-from workers.errors import WeightLoadError
+from workers.engines.base import config_expert_dtype
+from workers.engines.errors import WeightLoadError
+from workers.engines.identity import eos_token_ids
 
 
 def _load(source: str | Path) -> Any:
@@ -35,17 +36,6 @@ def _load(source: str | Path) -> Any:
         str(source), dtype=torch.float32, local_files_only=True
     )
     return model.eval()
-
-
-def _eos_ids(model: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    for cfg in (model.config, getattr(model, "generation_config", None)):
-        value = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
 
 
 class RouterCapture:
@@ -60,8 +50,10 @@ class RouterCapture:
 
     def __init__(self, model: Any) -> None:
         self.top_k = int(model.config.num_experts_per_tok)
-        num_experts = getattr(model.config, "num_experts", None) or model.config.num_local_experts
-        self.dtype = expert_dtype(int(num_experts))
+        dtype = config_expert_dtype(model.config.to_dict())
+        if dtype is None:
+            raise ValueError(f"{type(model).__name__} has MoE gates but no expert count")
+        self.dtype = dtype
         gates = [
             layer.mlp.gate
             for layer in model.model.layers
@@ -96,7 +88,7 @@ class CpuModel:
     def __init__(self, source: str | Path) -> None:
         self.model = _load(source)
         self.tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-        self.eos_token_ids = _eos_ids(self.model)
+        self.eos_token_ids = eos_token_ids(source)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         is_moe = any(

@@ -1,7 +1,7 @@
 """The CPU engine's core: the model and the decode loop over every request in flight.
 
-Synchronous and single-threaded; `cpu_proc` runs it in a process of its own and feeds it the
-messages of `cpu_wire`. Each round applies pending weight loads, then advances every request
+Synchronous and single-threaded; `cpu.process` runs it in a process of its own and feeds it the
+messages of `cpu.wire`. Each round applies pending weight loads, then advances every request
 by one token (or by a slice of its prefill), round-robin, each with its own KV cache.
 
 Why interleaving and not padded batched decoding: interleaved steps are exactly the
@@ -32,10 +32,10 @@ import torch
 
 from statemachine.codec import pack_array
 from statemachine.request import SamplingParams
-from workers.engines.cpu_model import CpuModel
-from workers.engines.sampling import banned_tokens, sample, step_seed
-from workers.engines.stopping import StopChecker
-from workers.errors import WorkerError
+from workers.engines.cpu.model import CpuModel
+from workers.engines.cpu.sampling import banned_tokens, sample, step_seed
+from workers.engines.cpu.stopping import StopChecker
+from workers.engines.errors import EngineError
 
 # Prompt tokens fed per request per round: bounds how long one new request's prefill delays
 # the others' decode steps, an abort, or a weight load (~2.5 ms per token on the tiny MoE).
@@ -58,7 +58,7 @@ class _Seq:
 
 
 class EngineCore:
-    """Turns `cpu_wire` messages into model work and output messages."""
+    """Turns `cpu.wire` messages into model work and output messages."""
 
     def __init__(self, model_dir: str | Path, *, weight_version: int = 0) -> None:
         self.model = CpuModel(model_dir)
@@ -148,7 +148,7 @@ class EngineCore:
     def _apply_load(self, token: int, source: str, version: int) -> None:
         try:
             self.model.swap_weights(source)
-        except WorkerError as exc:
+        except EngineError as exc:
             # A bad checkpoint fails only the load call; old weights and version stay.
             self._out.append(["loaded", token, type(exc).__name__, str(exc)])
             return

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from statemachine.status import FinishReason
-from workers.errors import WireFormatError
+from workers.engines.errors import WireFormatError
 
 # What vLLM 0.32 sends for routed experts (`numpy2base64`: uint8/uint16/int32 by expert
 # count) plus the wider unsigned types our own packed form may use. Never object/float, never

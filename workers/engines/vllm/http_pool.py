@@ -1,6 +1,6 @@
 """Talking to a set of HTTP servers: sessions per event loop, retries, health, routing.
 
-Generic over what is sent (the vLLM engine in `vllm_http.py` builds on it):
+Generic over what is sent (the vLLM engine in `http.py` builds on it):
 - one aiohttp ClientSession per event loop (a session is bound to the loop that made it);
 - at most `max_in_flight` requests per server, and each request goes to the least-loaded
   healthy server;
@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from workers.errors import EngineError, EngineUnavailable
+from workers.engines.errors import EngineError, EngineUnavailable
 
 log = logging.getLogger("rollouts.http")
 

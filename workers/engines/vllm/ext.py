@@ -1,7 +1,7 @@
 """A vLLM worker extension: code that runs inside vLLM's worker process, via collective_rpc.
 
 vLLM mixes this class into its worker class when started with
-`worker_extension_cls="workers.engines.vllm_ext.DurableWorkerExtension"` (in-process engine)
+`worker_extension_cls="workers.engines.vllm.ext.DurableWorkerExtension"` (in-process engine)
 or `--worker-extension-cls` (server), so `collective_rpc("durable_reload_weights", ...)`
 reaches it. Method names carry a `durable_` prefix because vLLM refuses an extension whose
 attribute names collide with the worker's own.
@@ -17,6 +17,11 @@ the unquantized method copies into the live storage itself and nothing is re-run
 from __future__ import annotations
 
 from typing import Any
+
+# What both vLLM engines give vLLM (`worker_extension_cls`, `--worker-extension-cls`), and the
+# method they call through collective_rpc to reload weights.
+EXTENSION = "workers.engines.vllm.ext.DurableWorkerExtension"
+RELOAD_METHOD = "durable_reload_weights"
 
 
 class DurableWorkerExtension:

@@ -3,11 +3,11 @@
 Token ids in (`TokensPrompt`), token ids out, streamed as DELTA outputs with the raw logprob
 of each sampled token (`logprobs=0`, vLLM's default `logprobs_mode="raw_logprobs"`).
 
-Weight updates keep in-flight requests going, as the protocol asks, by doing inside the
-engine what the worker does across processes: `load_weights` pauses vLLM with
-`mode="abort"` (every running sub-request ends at a step boundary), reloads the checkpoint in
-place through the worker extension (`vllm_ext.py`), resets the prefix cache, and each
-interrupted stream resubmits `prompt + tokens so far` with its budgets reduced. So
+Weight updates keep in-flight requests going, as the protocol asks (`swap.py`, shared with
+the HTTP engine): `load_weights` pauses vLLM with `mode="abort"` (every running sub-request
+ends at a step boundary), reloads the checkpoint in place through the worker extension
+(`ext.py`), resets the prefix cache, and each interrupted stream resubmits
+`prompt + tokens so far` with its budgets reduced. So
 - a chunk never spans a swap, and its `weight_version` is exact (a sub-request lives under
   one version; vLLM's own version labels come only on the final output);
 - the KV cache of in-flight requests is recomputed on the new weights, never reused stale;
@@ -36,29 +36,22 @@ from typing import Any
 
 import numpy as np
 
-from workers.engines.base import Chunk, EngineRequest, expert_dtype
-from workers.engines.identity import config_identity
-from workers.engines.vllm_common import (
+from workers.engines.base import Chunk, EngineRequest, config_expert_dtype
+from workers.engines.errors import EngineDead, EngineError, RequestAborted, WeightLoadError
+from workers.engines.identity import eos_token_ids
+from workers.engines.inflight import check_prompt
+from workers.engines.vllm.ext import EXTENSION, RELOAD_METHOD
+from workers.engines.vllm.swap import SubRequest, SwappingEngine, read_config
+from workers.engines.vllm.translate import (
     ABORT,
-    check_prompt,
-    check_same_architecture,
     continuation,
-    eos_token_ids,
     finish_reason,
-    read_config,
+    routes_for_tokens,
     stop_reason,
-)
-from workers.errors import (
-    EngineClosed,
-    EngineDead,
-    EngineError,
-    RequestAborted,
-    WeightLoadError,
 )
 
 log = logging.getLogger("rollouts.vllm")
 
-EXTENSION = "workers.engines.vllm_ext.DurableWorkerExtension"
 CPU_KV_CACHE_BYTES = 256 << 20  # 256k tokens of the tiny models; plenty for tests and demos
 
 
@@ -86,15 +79,7 @@ class VllmOptions:
     extra: tuple[tuple[str, Any], ...] = ()
 
 
-@dataclass(eq=False)
-class _Stream:
-    request: EngineRequest
-    aborted: bool = False
-    sub_id: str | None = None
-    wake: asyncio.Event | None = None
-
-
-class VllmEngine:
+class VllmEngine(SwappingEngine[SubRequest]):
     """`Engine` on an in-process `vllm.v1.engine.async_llm.AsyncLLM`."""
 
     def __init__(
@@ -110,7 +95,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
 
         self.options = opts = options or VllmOptions()
-        self._config = read_config(model_dir)
+        config = read_config(model_dir)
         kwargs: dict[str, Any] = {
             "model": str(model_dir),
             "dtype": opts.dtype,
@@ -128,69 +113,28 @@ class VllmEngine:
         elif not _has_gpu():
             kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         self._llm: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        self._source = str(model_dir)
-        self._weight_version = weight_version
-        self._vocab = int(self._config["vocab_size"])
+        super().__init__(weight_version=weight_version, source=str(model_dir), config=config)
+        self._vocab = int(config["vocab_size"])
         self._eos = eos_token_ids(model_dir)
-        n_experts = self._config.get("num_experts") or self._config.get("num_local_experts")
-        self._expert_dtype = expert_dtype(int(n_experts)) if n_experts else None
-        self._streams: dict[str, _Stream] = {}
+        self._expert_dtype = config_expert_dtype(config)
         self._serials = itertools.count()
-        self._epoch = 0  # +1 per load: a sub-request submitted before it was interrupted by it
-        self._ready = asyncio.Event()  # cleared while a load runs; no submission meanwhile
-        self._ready.set()
-        self._submitting = 0
-        self._load_lock = asyncio.Lock()
-        self._closed = False
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
-
-    @property
-    def model_id(self) -> str:
-        """The model's identity (``workers.engines.identity``), recorded by every attempt."""
-        return config_identity(self._config)
-
-    @property
-    def in_flight(self) -> list[str]:
-        """Ids of the requests currently streaming."""
-        return list(self._streams)
-
-    @property
-    def source(self) -> str:
-        """The checkpoint directory the weights were last loaded from."""
-        return self._source
 
     # ---- generate ------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
-        self._check(request)
-        stream = _Stream(request=request, wake=asyncio.Event())
-        self._streams[request.request_id] = stream
-        generated: list[int] = []
-        finished = False
-        try:
-            while not finished:
-                await self._until_ready(stream)
-                epoch, version = self._epoch, self._weight_version
-                collector = await self._submit(stream, generated, version)
-                async for chunk, done in self._drain(stream, collector, version, epoch):
-                    generated.extend(int(t) for t in chunk.token_ids)
-                    finished = done
-                    yield chunk
-                if not finished and self._epoch == epoch and self._ready.is_set():
-                    # Ended with "abort" that no load of ours caused (vLLM-side abort).
-                    raise RequestAborted(f"request {request.request_id!r} was aborted by vLLM")
-        finally:
-            if self._streams.get(request.request_id) is stream:
-                del self._streams[request.request_id]
-            if not finished and stream.sub_id is not None and not self._closed:
-                # Aborted, failed, or the consumer left: free vLLM's slot (idempotent there).
-                with contextlib.suppress(Exception):  # cleanup must not mask the cause
-                    await self._llm.abort(stream.sub_id)
+    def _check(self, request: EngineRequest) -> None:
+        self._check_new(request.request_id)
+        check_prompt(request, vocab_size=self._vocab, max_len=self.options.max_model_len)
 
-    async def _submit(self, stream: _Stream, generated: list[int], version: int) -> Any:
+    def _new_stream(self, request: EngineRequest) -> SubRequest:
+        return SubRequest(request=request, wake=asyncio.Event())
+
+    async def _abandon(self, stream: SubRequest) -> None:
+        if stream.sub_id is not None and not self._closed:
+            # Aborted, failed, or the consumer left: free vLLM's slot (idempotent there).
+            with contextlib.suppress(Exception):  # cleanup must not mask the cause
+                await self._llm.abort(stream.sub_id)
+
+    async def _submit(self, stream: SubRequest, generated: list[int], version: int) -> Any:
         from vllm import SamplingParams, TokensPrompt  # noqa: PLC0415
         from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
 
@@ -209,24 +153,24 @@ class VllmEngine:
             # token t (see Chunk), so no prompt rows cross the wire.
             params.routed_experts_prompt_start = len(prompt) - 1
         stream.sub_id = f"{stream.request.request_id}@{next(self._serials)}"
-        self._submitting += 1
-        try:
-            return await self._llm.add_request(
-                stream.sub_id,
-                TokensPrompt(prompt_token_ids=prompt, cache_salt=f"w{version}"),
-                params,
-            )
-        except Exception as exc:
-            # vLLM's validation errors surface as our EngineError, a dead engine as EngineDead.
-            error = _error_type(exc)
-            raise error(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
-        finally:
-            self._submitting -= 1
+        with self._gate.submitting():
+            try:
+                return await self._llm.add_request(
+                    stream.sub_id,
+                    TokensPrompt(prompt_token_ids=prompt, cache_salt=f"w{version}"),
+                    params,
+                )
+            except Exception as exc:
+                # vLLM's validation errors surface as our EngineError, a dead engine as
+                # EngineDead.
+                error = _error_type(exc)
+                raise error(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
 
-    async def _drain(
-        self, stream: _Stream, collector: Any, version: int, epoch: int
-    ) -> AsyncIterator[tuple[Chunk, bool]]:
-        """Chunks of one sub-request; ends quietly on a finish or on a load's abort."""
+    async def _attempt(
+        self, stream: SubRequest, generated: list[int], version: int, epoch: int
+    ) -> AsyncIterator[Chunk]:
+        """Chunks of one sub-request; ends quietly on a finish or on an abort."""
+        collector = await self._submit(stream, generated, version)
         held: list[Any] = []  # outputs held back until routes arrive (routed_experts only)
         while True:
             out = await _next_output(collector)
@@ -235,7 +179,7 @@ class VllmEngine:
                 raise RequestAborted(f"request {stream.request.request_id!r} was aborted")
             completion = out.outputs[0]
             interrupted = completion.finish_reason == ABORT
-            if interrupted and self._epoch == epoch and self._ready.is_set():
+            if interrupted and self._gate.current(epoch):
                 return  # an abort nobody asked of this engine: generate() raises
             reason = None if interrupted else finish_reason(completion.finish_reason)
             if self.options.routed_experts:
@@ -253,7 +197,7 @@ class VllmEngine:
                     ),
                 )
             if chunk is not None:
-                yield chunk, reason is not None
+                yield chunk
             if reason is not None or interrupted:
                 return
 
@@ -285,69 +229,32 @@ class VllmEngine:
             weight_version=version,
         )
 
-    async def _until_ready(self, stream: _Stream) -> None:
-        while not self._ready.is_set():
-            assert stream.wake is not None
-            waiters = [
-                asyncio.ensure_future(self._ready.wait()),
-                asyncio.ensure_future(stream.wake.wait()),
-            ]
-            try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waiters:
-                    w.cancel()
-            if stream.aborted:
-                raise RequestAborted(f"request {stream.request.request_id!r} was aborted")
-
-    def _check(self, request: EngineRequest) -> None:
-        if self._closed:
-            raise EngineClosed("engine is closed")
-        if request.request_id in self._streams:
-            raise EngineError(f"request id {request.request_id!r} is already in flight")
-        check_prompt(request, vocab_size=self._vocab, max_model_len=self.options.max_model_len)
-
     # ---- abort, weights, close -------------------------------------------------------
 
-    async def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return  # unknown, finished or already aborted: abort is idempotent
-        stream.aborted = True  # from here on the stream yields nothing more
+    async def _stop(self, stream: SubRequest) -> None:
         if stream.wake is not None:
             stream.wake.set()
         if stream.sub_id is not None and not self._closed:
             await self._llm.abort(stream.sub_id)
 
-    async def load_weights(self, source: str, version: int) -> None:
-        if self._closed:
-            raise EngineClosed("engine is closed")
-        check_same_architecture(self._config, source)
-        async with self._load_lock:
-            self._ready.clear()
-            try:
-                while self._submitting:
-                    await asyncio.sleep(0.001)  # an add_request in flight would miss the pause
-                self._epoch += 1
-                await self._llm.pause_generation(mode="abort", clear_cache=True)
-                try:
-                    await self._reload(str(source))
-                    self._weight_version = version
-                finally:
-                    # KV and prefix cache from the old weights must never be reused.
-                    await self._llm.reset_prefix_cache()
-                    await self._llm.resume_generation()
-            finally:
-                self._ready.set()
+    async def _swap(self, source: str, version: int) -> None:
+        await self._llm.pause_generation(mode="abort", clear_cache=True)
+        try:
+            await self._reload(source)
+            self._weight_version = version
+        finally:
+            # KV and prefix cache from the old weights must never be reused.
+            await self._llm.reset_prefix_cache()
+            await self._llm.resume_generation()
 
     async def _reload(self, source: str) -> None:
-        errors = await self._llm.collective_rpc("durable_reload_weights", args=(source,))
+        errors = await self._llm.collective_rpc(RELOAD_METHOD, args=(source,))
         failed = [e for e in errors if e]
         if not failed:
             self._source = source
             return
         # A failed reload may have overwritten some tensors: put the last good weights back.
-        restore = await self._llm.collective_rpc("durable_reload_weights", args=(self._source,))
+        restore = await self._llm.collective_rpc(RELOAD_METHOD, args=(self._source,))
         if any(restore):
             raise EngineError(
                 f"reload of {source} failed ({failed[0]}) and so did the "
@@ -424,23 +331,3 @@ def sampled_logprobs(logprobs: Any, token_ids: Any) -> np.ndarray:
     if ids != [int(t) for t in token_ids]:
         raise EngineError("vLLM's logprobs are not those of the sampled tokens")
     return values.astype(np.float32)
-
-
-def routes_for_tokens(routed: Any, n_tokens: int, dtype: np.dtype) -> np.ndarray:
-    """One routing row per generated token from vLLM's `routed_experts` output.
-
-    vLLM returns `[positions, moe_layers, top_k]` from `routed_experts_prompt_start` (we set
-    it to the last prompt position) up to the last token *excluded* (no forward ran on it):
-    exactly `n_tokens` rows, row t being the forward that produced token t.
-    """
-    if routed is None:
-        raise EngineError("routed experts were enabled but vLLM returned none")
-    arr = np.asarray(routed)
-    if arr.ndim != 3 or arr.shape[0] != n_tokens:
-        raise EngineError(
-            f"vLLM returned routed experts of shape {arr.shape} for {n_tokens} tokens; "
-            "expected [n_tokens, moe_layers, top_k]"
-        )
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(dtype).max):
-        raise EngineError(f"routed expert ids outside 0..{np.iinfo(dtype).max}")
-    return arr.astype(dtype)

@@ -1,41 +1,25 @@
-"""What the in-process and the HTTP vLLM engines share: request translation and checks.
+"""Our requests and chunks in vLLM's terms, both ways, for the in-process and HTTP engines:
+sampling parameters and resubmissions in; finish reasons, stop reasons and routed-expert rows
+out.
 
 Imports neither vllm nor aiohttp, so both engines (and their unit tests) can use it alone.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from statemachine.request import SamplingParams
 from statemachine.status import FinishReason
 from workers.engines.base import EngineRequest
-from workers.errors import EngineError, WeightLoadError
+from workers.engines.errors import EngineError
 
 # vLLM's finish reasons as strings (vllm.v1.engine.FinishReason.__str__ and the HTTP API).
 # "abort" is not a finish: the engines turn it into RequestAborted or a transparent resubmit.
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 ABORT = "abort"
-
-# config.json keys that must match for an in-place reload: a checkpoint that differs in any
-# of them does not fit the loaded model (vLLM would fail half-way, or silently mis-load).
-_ARCH_KEYS = (
-    "architectures",
-    "model_type",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "vocab_size",
-    "num_experts",
-    "num_local_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-)
 
 
 def continuation(request: EngineRequest, generated: list[int]) -> tuple[list[int], dict[str, Any]]:
@@ -81,18 +65,6 @@ def finish_reason(reason: str | None) -> FinishReason | None:
         raise EngineError(f"vLLM finished the request with reason {reason!r}") from None
 
 
-def eos_token_ids(model_dir: str | Path) -> frozenset[int]:
-    """Every eos id of a model directory (config.json and generation_config.json)."""
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        path = Path(model_dir) / name
-        if not path.exists():
-            continue
-        value = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(value if isinstance(value, list) else [] if value is None else [value])
-    return frozenset(int(i) for i in ids)
-
-
 def stop_reason(
     raw: int | str | None, *, params: SamplingParams, eos_ids: frozenset[int]
 ) -> int | str | None:
@@ -107,38 +79,21 @@ def stop_reason(
     return raw
 
 
-def check_prompt(request: EngineRequest, *, vocab_size: int, max_model_len: int) -> None:
-    """Refuse a bad prompt before it reaches vLLM, with the same errors as the CPU engine."""
-    ids = request.prompt_token_ids
-    if not ids:
-        raise EngineError("prompt_token_ids must not be empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise EngineError(f"prompt token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
-    if len(ids) >= max_model_len:
+def routes_for_tokens(routed: Any, n_tokens: int, dtype: np.dtype) -> np.ndarray:
+    """One routing row per generated token from vLLM's `routed_experts` output.
+
+    vLLM returns `[positions, moe_layers, top_k]` from `routed_experts_prompt_start` (we set
+    it to the last prompt position) up to the last token *excluded* (no forward ran on it):
+    exactly `n_tokens` rows, row t being the forward that produced token t.
+    """
+    if routed is None:
+        raise EngineError("routed experts were enabled but vLLM returned none")
+    arr = np.asarray(routed)
+    if arr.ndim != 3 or arr.shape[0] != n_tokens:
         raise EngineError(
-            f"prompt of {len(ids)} tokens leaves no room within max_model_len={max_model_len}"
+            f"vLLM returned routed experts of shape {arr.shape} for {n_tokens} tokens; "
+            "expected [n_tokens, moe_layers, top_k]"
         )
-
-
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        # Missing directory, missing file or broken JSON: not a checkpoint we can load.
-        raise WeightLoadError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise WeightLoadError(f"{path} is not a JSON object")
-    return data
-
-
-def check_same_architecture(current: dict[str, Any], source: str | Path) -> None:
-    """Refuse a checkpoint whose architecture differs from the loaded model's, before any
-    weight is touched (an in-place reload of another shape fails half-way through)."""
-    new = read_config(source)
-    diff = {k: (current.get(k), new.get(k)) for k in _ARCH_KEYS if current.get(k) != new.get(k)}
-    if diff:
-        raise WeightLoadError(f"checkpoint {source} has another architecture: {diff}")
-    if not any(Path(source).glob("*.safetensors")):
-        raise WeightLoadError(f"checkpoint {source} has no *.safetensors file")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(dtype).max):
+        raise EngineError(f"routed expert ids outside 0..{np.iinfo(dtype).max}")
+    return arr.astype(dtype)

@@ -1,11 +1,11 @@
 """A CPU engine on transformers + torch, for tests, demos and the tiny models.
 
 `CpuEngine` is the front end that lives in the worker's process; the model and its decode
-loop (`cpu_core.EngineCore`) run in a child process (`cpu_proc`), as vLLM's AsyncLLM runs
+loop (`cpu.core.EngineCore`) run in a child process (`cpu.process`), as vLLM's AsyncLLM runs
 its engine core. The worker's event loop, which records progress in Redis, therefore never
 competes with the decode loop for the GIL (measured in-process: durable/direct 0.92 on
-bench/bench_overhead.py; the reason is in `cpu_proc`). The two talk over a pair of pipes in
-framed msgpack (`cpu_wire`): requests go in by serial number, each decode round comes back
+bench/bench_overhead.py; the reason is in `cpu.process`). The two talk over a pair of pipes in
+framed msgpack (`cpu.wire`): requests go in by serial number, each decode round comes back
 as one frame. Two threads here move the bytes, so the event loop never blocks on a pipe: a
 writer, and a reader that hands every chunk to the event loop that asked for it (an engine
 may be used from several loops).
@@ -45,15 +45,16 @@ import numpy as np
 from statemachine.codec import unpack_array
 from statemachine.status import FinishReason
 from workers.engines.base import Chunk, EngineRequest
-from workers.engines.cpu_wire import FrameReader, write_frame
-from workers.engines.identity import model_identity
-from workers.errors import (
+from workers.engines.cpu.wire import FrameReader, write_frame
+from workers.engines.errors import (
     EngineClosed,
     EngineDead,
     EngineError,
     RequestAborted,
     WeightLoadError,
 )
+from workers.engines.identity import model_identity
+from workers.engines.inflight import InFlightEngine, Stream, check_prompt
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +69,17 @@ _ERRORS: dict[str, type[EngineError]] = {
     "EngineClosed": EngineClosed,
     "WeightLoadError": WeightLoadError,
 }
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
 
 Post = Callable[..., None]
 
 
 @dataclass(eq=False)
-class _Stream:
-    """Event-loop side of one request: its queue and whether it was aborted."""
+class _Stream(Stream):
+    """Event-loop side of one request: its serial number for the core, and its queue."""
 
     serial: int
     queue: asyncio.Queue[Any]
-    aborted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ class EngineHealth:
 _END = object()  # queued to wake a consumer whose request was aborted
 
 
-class CpuEngine:
+class CpuEngine(InFlightEngine[_Stream]):
     """`Engine` on a local Hugging Face model directory (see the module docstring)."""
 
     def __init__(
@@ -103,11 +103,9 @@ class CpuEngine:
         # torch's intra-op pool spins on every core it owns; leave one to the worker's event
         # loop and Redis (measured: with all cores, durable/direct fell to ~0.7).
         threads = threads or max(1, (os.cpu_count() or 2) - 1)
-        self._source = str(model_dir)
-        self._weight_version = weight_version
+        super().__init__(weight_version=weight_version, source=str(model_dir))
         self._serials = itertools.count()
         self._tokens = itertools.count()
-        self._streams: dict[str, _Stream] = {}  # event-loop side, by request id
         self._lock = threading.Lock()
         # Guarded by _lock: where the reader thread sends each serial's chunks and each
         # token's reply, and the error every later call gets once the core is gone.
@@ -118,7 +116,6 @@ class CpuEngine:
         # pipe is full (a long prompt, the core busy with a weight load), and the event loop
         # must not block with it.
         self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
-        self._closing = False
         self._proc, self._to_core, self._from_core = _spawn(model_dir, weight_version, threads)
         reader = FrameReader(self._from_core)
         try:
@@ -142,25 +139,6 @@ class CpuEngine:
         self._writer.start()
 
     @property
-    def weight_version(self) -> int:
-        return self._weight_version
-
-    @property
-    def model_id(self) -> str:
-        """The model's identity (``workers.engines.identity``), recorded by every attempt."""
-        return self._model_id
-
-    @property
-    def source(self) -> str:
-        """The checkpoint directory the weights were last loaded from."""
-        return self._source
-
-    @property
-    def in_flight(self) -> list[str]:
-        """Ids of the requests currently streaming."""
-        return list(self._streams)
-
-    @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             from transformers import AutoTokenizer  # noqa: PLC0415  (slow import; tests only)
@@ -174,7 +152,7 @@ class CpuEngine:
         self._check_request(request)
         loop = asyncio.get_running_loop()
         stream = _Stream(serial=next(self._serials), queue=asyncio.Queue())
-        self._streams[request.request_id] = stream
+        self._track(request.request_id, stream)
         finished = False
         try:
             with self._lock:
@@ -197,17 +175,12 @@ class CpuEngine:
                     finished = True
                     return
         finally:
-            if self._streams.get(request.request_id) is stream:
-                del self._streams[request.request_id]
+            self._untrack(request.request_id, stream)
             if not finished:
                 # Aborted, or the consumer stopped iterating: free the core's slot.
                 self._abort_serial(stream.serial)
 
-    async def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return  # unknown, finished or already aborted: abort is idempotent
-        stream.aborted = True
+    async def _stop(self, stream: _Stream) -> None:
         stream.queue.put_nowait(_END)
         self._abort_serial(stream.serial)
 
@@ -220,10 +193,10 @@ class CpuEngine:
         return EngineHealth(pid=self.pid, requests_in_flight=requests, weight_version=version)
 
     async def close(self) -> None:
-        if self._closing:
+        if self._closed:
             await asyncio.to_thread(self._thread.join)
             return
-        self._closing = True
+        self._closed = True
         self._send(["close"])  # the core answers what it holds with EngineClosed, and exits
         self._outbox.put(None)
         await asyncio.to_thread(self._reap)
@@ -231,26 +204,17 @@ class CpuEngine:
     # ---- front-end helpers -----------------------------------------------------------
 
     def _check_request(self, request: EngineRequest) -> None:
-        self._raise_if_gone()
-        if request.request_id in self._streams:
-            raise EngineError(f"request id {request.request_id!r} is already in flight")
-        ids = request.prompt_token_ids
-        if not ids:
-            raise EngineError("prompt_token_ids must not be empty")
-        bad = [t for t in ids if not 0 <= t < self._vocab_size]
-        if bad:
-            raise EngineError(
-                f"prompt token ids outside the vocabulary (size {self._vocab_size}): {bad[:5]}"
-            )
-        if len(ids) >= self._max_positions:
-            raise EngineError(
-                f"prompt of {len(ids)} tokens leaves no room within "
-                f"max_position_embeddings={self._max_positions}"
-            )
+        self._raise_if_gone()  # first: a dead core is EngineDead, even for a duplicate id
+        self._check_new(request.request_id)
+        check_prompt(
+            request,
+            vocab_size=self._vocab_size,
+            max_len=self._max_positions,
+            max_len_name="max_position_embeddings",
+        )
 
     def _raise_if_gone(self) -> None:
-        if self._closing:
-            raise EngineClosed("engine is closed")
+        self._raise_if_closed()
         if self._gone is not None:
             raise _fresh(self._gone)
 
@@ -328,7 +292,7 @@ class CpuEngine:
             log.exception("CPU engine: unreadable output from the core; killing it")
             self._proc.kill()
         code = self._proc.wait()
-        if self._closing:
+        if self._closed:
             gone: EngineError = EngineClosed("engine closed while the request was in flight")
         else:
             gone = EngineDead(f"the CPU engine process (pid {self.pid}) died, exit code {code}")
@@ -426,7 +390,7 @@ def _spawn(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.engines.cpu_proc", "--model", str(model_dir),
+            [sys.executable, "-m", "workers.engines.cpu.process", "--model", str(model_dir),
              "--weight-version", str(weight_version), "--threads", str(threads),
              "--in-fd", str(to_core_r), "--out-fd", str(from_core_w)],
             pass_fds=(to_core_r, from_core_w),
