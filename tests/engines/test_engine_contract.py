@@ -226,6 +226,27 @@ async def test_abort_mid_stream(engine: Engine, prompts) -> None:
     assert len(again.token_ids) == 4
 
 
+async def test_abort_before_generate_ends_that_request_unrun(engine: Engine, prompts) -> None:
+    # A worker may stop an attempt it is still opening: abort() reaches the engine before
+    # generate() registered the request. Before, every real engine ignored the unknown id and
+    # the request then ran to its end (a weight update waited a whole generation on old
+    # weights; SIGTERM aborted nothing).
+    await engine.abort("early")
+    stream = engine.generate(
+        EngineRequest(
+            request_id="early",
+            prompt_token_ids=tuple(prompts[0]),
+            sampling=SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True),
+        )
+    )
+    with pytest.raises(RequestAborted):
+        await anext(stream)
+    assert "early" not in getattr(engine, "in_flight", [])
+    # The abort is spent: the engine still serves, and the id can be used again.
+    again = await greedy(engine, prompts[0], n=4, request_id="early")
+    assert len(again.token_ids) == 4
+
+
 async def test_abort_from_another_task(engine: Engine, prompts) -> None:
     got: list[int] = []
 

@@ -7,17 +7,27 @@ The CPU engine and both vLLM engines (not the synthetic one, a test double) each
   non-empty, inside the vocabulary and shorter than the context (`check_prompt`);
 - the same abort: idempotent (unknown, finished and already-aborted ids are accepted), it
   marks the stream aborted at once, so that nothing more is yielded from it, and then stops
-  whatever the engine runs for the request (`_stop`, each engine's own);
+  whatever the engine runs for the request (`_stop`, each engine's own). An abort that comes
+  before its request was registered (the worker stops an attempt it is still opening) is
+  remembered, and that request's `generate` raises RequestAborted without running: before,
+  such a stop was lost and the rollout ran to its end on old weights, or through a shutdown.
+  Ids that ended recently are remembered too, so an abort after a finish stays a no-op and the
+  id can be used again;
 - the same properties: weight version, model identity and the source of the weights.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from workers.engines.base import EngineRequest
-from workers.engines.errors import EngineClosed, EngineError
+from workers.engines.errors import EngineClosed, EngineError, RequestAborted
+
+# How many ended and early-aborted request ids an engine remembers (a few hundred bytes
+# each): far more than the requests a worker opens in the moments such a race spans.
+REMEMBERED_IDS = 4096
 
 
 @dataclass(eq=False, kw_only=True)
@@ -39,6 +49,8 @@ class InFlightEngine(Generic[S]):
         self._model_id = model_id
         self._streams: dict[str, S] = {}
         self._closed = False
+        self._ended: OrderedDict[str, None] = OrderedDict()  # recent ids whose stream ended
+        self._aborted_early: OrderedDict[str, None] = OrderedDict()  # aborted before generate
 
     @property
     def weight_version(self) -> int:
@@ -64,8 +76,12 @@ class InFlightEngine(Generic[S]):
     async def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is None:
-            return  # unknown, finished or already aborted: abort is idempotent
+            if request_id not in self._ended:
+                # Not registered yet: its generate() must not run (see the module docstring).
+                _remember(self._aborted_early, request_id)
+            return  # finished or already aborted: abort is idempotent
         stream.aborted = True  # from here on the stream yields nothing more
+        _remember(self._ended, request_id)
         await self._stop(stream)
 
     async def _stop(self, stream: S) -> None:
@@ -77,10 +93,15 @@ class InFlightEngine(Generic[S]):
             raise EngineClosed("engine is closed")
 
     def _check_new(self, request_id: str) -> None:
-        """Refuse a request on a closed engine, or under an id that is still in flight."""
+        """Refuse a request on a closed engine, or under an id that is still in flight; end
+        one that was aborted before it got here."""
         self._raise_if_closed()
         if request_id in self._streams:
             raise EngineError(f"request id {request_id!r} is already in flight")
+        if request_id in self._aborted_early:
+            del self._aborted_early[request_id]
+            raise RequestAborted(f"request {request_id!r} was aborted before it started")
+        self._ended.pop(request_id, None)  # a reused id: a new stream from here on
 
     def _track(self, request_id: str, stream: S) -> None:
         self._streams[request_id] = stream
@@ -89,6 +110,14 @@ class InFlightEngine(Generic[S]):
         """Forget a stream that ended, unless abort() already did (the id may be reused)."""
         if self._streams.get(request_id) is stream:
             del self._streams[request_id]
+            _remember(self._ended, request_id)
+
+
+def _remember(ids: OrderedDict[str, None], request_id: str) -> None:
+    ids[request_id] = None
+    ids.move_to_end(request_id)
+    while len(ids) > REMEMBERED_IDS:
+        ids.popitem(last=False)
 
 
 def check_prompt(
