@@ -18,6 +18,7 @@ from store.leases import Leases, now_ms
 from store.queue import rollout_queue
 from store.redis_server import RedisServer
 from tests import factories as f
+from tests.damage import damage_event
 from workers.reaper import Reaper
 
 
@@ -72,13 +73,7 @@ async def test_one_unreadable_rollout_is_quarantined_and_the_rest_recovered(clie
     for rid in ("bad", "bad-head", "good"):
         await _live(store, rid)
     # "bad": a damaged token record (its snapshot is fine); "bad-head": a damaged snapshot.
-    log = store.keys.log("bad")
-    entries = await a.xrange(log)
-    await a.delete(log)
-    for entry_id, fields in entries:
-        record = fields[b"e"]
-        await a.xadd(log, {b"e": record[:-3] + b"xyz" if entry_id == b"0-3" else record},
-                      id=entry_id)  # fmt: skip
+    await damage_event(a, store, "bad", 3)
     await a.hset(store.keys.snapshot("bad-head"), HEAD, b"S\x00\x00\x00\x00garbage")
     # Oldest first: before, the first unreadable lease stopped every pass right there.
     t = now_ms()

@@ -18,6 +18,7 @@ from store.leases import Leases, now_ms
 from store.queue import JOB_FUNC, enqueue_rollouts, rollout_queue
 from store.redis_server import RedisServer
 from tests import factories as f
+from tests.damage import damage_event
 from workers.engines.synthetic import SyntheticEngine
 from workers.reaper import Reaper
 from workers.rq_bridge import RqBridge
@@ -60,13 +61,7 @@ async def test_unloadable_rollouts_are_refused_once_not_requeued_forever(
     s = await store.append(s, f.started(s))
     s = await store.append(s, f.tokens(s))
     await store.append(s, f.aborted(s))
-    log = store.keys.log("corrupt")
-    entries = await client.xrange(log)
-    await client.delete(log)
-    for entry_id, fields in entries:
-        record = fields[b"e"]
-        await client.xadd(log, {b"e": record[:-2] + b"!!" if entry_id == b"0-3" else record},
-                          id=entry_id)  # fmt: skip
+    await damage_event(client, store, "corrupt", 3)
     enqueue_rollouts(rollout_queue(sync), ["missing", "corrupt", "ok"])
     worker = Worker(WorkerConfig(redis_url=server.url, max_concurrency=2), SyntheticEngine())
     await _run_for(worker, 3.0)
