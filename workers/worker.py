@@ -248,7 +248,16 @@ class Worker:
             return
         if result.outcome is not Outcome.WRONG_MODEL:
             self._failures.pop(rid, None)  # it ran (or ended): its backoff starts over
-        await self._settle(rq, running, result, free_slot)
+        try:
+            await self._settle(rq, running, result, free_slot)
+        except Exception as exc:
+            # Reading the log for the retry budget or recording the failure met Redis gone:
+            # never leave the job "started" and heartbeated with nobody on it; retry later.
+            log.warning(
+                "rollout %s: settling its attempt failed (%s: %s)", rid, type(exc).__name__,
+                exc, exc_info=not _is_connection_error(exc),
+            )  # fmt: skip
+            await self._back_off(rq, running, free_slot, f"{type(exc).__name__}: {exc}")
 
     async def _settle(
         self,
