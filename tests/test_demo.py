@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.redis_server
+# The demo runs CPU-engine worker processes on a real model (about a minute here).
+pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
 
 def test_rollouts_demo(tmp_path: Path) -> None:

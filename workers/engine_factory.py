@@ -1,4 +1,9 @@
-"""Build an engine by name, importing only what that engine needs."""
+"""Build an engine by name, importing only what that engine needs.
+
+Engine options that have no flag of their own come from the environment: vllm's engine
+arguments (``$ROLLOUTS_VLLM_ENGINE_ARGS``), vllm-http's servers (``$ROLLOUTS_VLLM_SERVERS``)
+and the synthetic engine's keyword arguments (``$ROLLOUTS_SYNTHETIC_ENGINE``, e.g. its pace).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,10 @@ VLLM_ARGS_ENV = "ROLLOUTS_VLLM_ENGINE_ARGS"
 # vllm-http: the servers, comma-separated base URLs (--model, if given, names their model
 # directory so prompts and checkpoints are checked locally).
 VLLM_SERVERS_ENV = "ROLLOUTS_VLLM_SERVERS"
+# synthetic: SyntheticEngine keyword arguments as a JSON object, e.g. '{"token_delay_s": 0.005,
+# "tokens_per_chunk": 1, "poison_token": 7}' (paced so that process tests can kill a worker
+# mid-generation; a poison token fails every request whose prompt holds it).
+SYNTHETIC_ARGS_ENV = "ROLLOUTS_SYNTHETIC_ENGINE"
 
 
 def make_engine(
@@ -29,7 +38,10 @@ def make_engine(
     if name == "synthetic":
         from workers.engines.synthetic import SyntheticEngine  # noqa: PLC0415
 
-        return SyntheticEngine(weight_version=weight_version)
+        options = json.loads(os.environ.get(SYNTHETIC_ARGS_ENV) or "{}")
+        if not isinstance(options, dict):
+            raise ValueError(f"{SYNTHETIC_ARGS_ENV} must be a JSON object")
+        return SyntheticEngine(weight_version=weight_version, **options)
     if name == "vllm":
         return _make_vllm(model, weight_version)
     if name == "vllm-http":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 from collections import defaultdict
@@ -11,15 +13,36 @@ import numpy as np
 
 from statemachine import Aborted, Event, Failed, Finished, Resumed, SamplingParams, Started
 from tests.engine_pool import EnginePool
+from workers.engine_factory import SYNTHETIC_ARGS_ENV
 from workers.engines.base import EngineRequest, join_chunks
+from workers.engines.synthetic import SyntheticEngine
 from workers.worker_cli import command
+
+# The synthetic engine of worker processes (`model=None`): one token per chunk like the CPU
+# engine, paced at 200 tokens/s per rollout, so that a test can kill or stop a worker
+# mid-generation (unpaced, 96 tokens are done before the test's first poll).
+SYNTHETIC_PACE = {"tokens_per_chunk": 1, "token_delay_s": 0.005}
+SYNTHETIC = None  # the `model` of start_worker and direct_greedy that means the synthetic engine
 
 
 def start_worker(
-    url: str, model: Path, name: str, log: Path, *extra: str, concurrency: int = 2
+    url: str,
+    model: Path | None,
+    name: str,
+    log: Path,
+    *extra: str,
+    concurrency: int = 2,
+    synthetic: dict[str, object] | None = None,
 ) -> subprocess.Popen[bytes]:
-    cmd = command(url, model, name, "--checkpoint-tokens", "8", *extra, concurrency=concurrency)
-    return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    """A worker process on the CPU engine and ``model``, or with ``model`` None on the synthetic
+    engine (``SYNTHETIC_PACE`` updated with ``synthetic``): checkpoints every 8 tokens."""
+    engine = "cpu" if model is not None else "synthetic"
+    cmd = command(
+        url, model or "", name, "--checkpoint-tokens", "8", *extra,
+        concurrency=concurrency, engine=engine,
+    )  # fmt: skip
+    env = {**os.environ, SYNTHETIC_ARGS_ENV: json.dumps({**SYNTHETIC_PACE, **(synthetic or {})})}
+    return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -72,10 +95,15 @@ def max_overlap(intervals: list[tuple]) -> int:
 
 
 async def direct_greedy(
-    pool: EnginePool, model: Path, prompts: list[tuple[int, ...]], sampling: SamplingParams
+    pool: EnginePool | None,
+    model: Path | None,
+    prompts: list[tuple[int, ...]],
+    sampling: SamplingParams,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """What the same engine generates for each prompt, uninterrupted and alone."""
-    engine = await pool.get(model)
+    """What the same engine generates for each prompt, uninterrupted and alone: the pooled CPU
+    engine on ``model``, or with ``model`` None the synthetic engine (unpaced: its output does
+    not depend on its pace or chunk size)."""
+    engine = SyntheticEngine() if model is None or pool is None else await pool.get(model)
     out = []
     for i, prompt in enumerate(prompts):
         chunks = [

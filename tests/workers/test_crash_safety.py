@@ -1,4 +1,10 @@
-"""kill -9 a worker, stall one, deliver a job twice, restart Redis: nothing is lost or doubled."""
+"""kill -9 a worker, stall one, deliver a job twice, restart Redis: nothing is lost or doubled.
+
+These are about the worker, not the model: they run worker processes on the synthetic engine
+(resume-exact and paced like the CPU engine, `tests.workers.helpers.SYNTHETIC_PACE`) and compare
+with its uninterrupted output. A kill -9 resume is also run on the CPU engine (greedy equality
+of a real model across a resume), and the engine-death test kills the CPU engine's core
+process: both are `slow`."""
 
 from __future__ import annotations
 
@@ -26,7 +32,14 @@ from store.client import RolloutClient
 from store.queue import enqueue_rollouts, rollout_queue
 from store.redis_server import RedisServer
 from tests.engine_pool import EnginePool
-from tests.workers.helpers import direct_greedy, greedy, random_prompts, start_worker, stop
+from tests.workers.helpers import (
+    SYNTHETIC,
+    direct_greedy,
+    greedy,
+    random_prompts,
+    start_worker,
+    stop,
+)
 
 pytestmark = pytest.mark.redis_server
 
@@ -49,24 +62,30 @@ async def until(cond, timeout: float = 120) -> None:  # type: ignore[no-untyped-
         await asyncio.sleep(0.02)
 
 
+@pytest.fixture(params=["synthetic", pytest.param("cpu", marks=pytest.mark.slow)])
+def model(request: pytest.FixtureRequest) -> Path | None:
+    """The workers' model: the tiny dense model on the CPU engine, or SYNTHETIC."""
+    return request.getfixturevalue("tiny_dense_dir") if request.param == "cpu" else SYNTHETIC
+
+
 async def test_kill_9_mid_generation_resumes_elsewhere(
-    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, model: Path | None, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     prompt, n = prompts(1)[0], 96
     [rid] = await client.submit([RolloutRequest(prompt_token_ids=prompt, sampling=greedy(n))])
-    a = start_worker(server.url, tiny_dense_dir, "a", tmp_path / "a.log", *FAST, concurrency=1)
+    a = start_worker(server.url, model, "a", tmp_path / "a.log", *FAST, concurrency=1)
     b = None
     try:
         await until(lambda: _at_least(client, rid, 2 * K))
         a.kill()  # SIGKILL: no chance to save anything
         a.wait(10)
         saved = await tokens_of(client, rid)
-        b = start_worker(server.url, tiny_dense_dir, "b", tmp_path / "b.log", *FAST, concurrency=1)
+        b = start_worker(server.url, model, "b", tmp_path / "b.log", *FAST, concurrency=1)
         [result] = await client.wait([rid], timeout=180)
     finally:
         stop(a, *(p for p in [b] if p))
-    [(ref, _)] = await direct_greedy(cpu_pool, tiny_dense_dir, [prompt], greedy(n))
+    [(ref, _)] = await direct_greedy(cpu_pool, model, [prompt], greedy(n))
     np.testing.assert_array_equal(result.response_token_ids, ref)
     events = await client.store.events(rid)
     lost = [e for e in events if isinstance(e, Aborted)]
@@ -75,7 +94,7 @@ async def test_kill_9_mid_generation_resumes_elsewhere(
     first_of_2 = next(e for e in events if isinstance(e, TokensAppended) and e.attempt == 2)
     assert first_of_2.offset == saved >= 2 * K
     # ... and attempt 1 never held more than one checkpoint interval unsaved: its chunks are
-    # at most K tokens (the CPU engine yields one token per step), so at most K were redone.
+    # at most K tokens (both engines yield one token per step here), so at most K were redone.
     sizes = [len(e) for e in events if isinstance(e, TokensAppended) and e.attempt == 1]
     assert sizes and max(sizes) <= K
 
@@ -85,14 +104,14 @@ async def _at_least(client: RolloutClient, rid: str, n: int) -> bool:
 
 
 async def test_stalled_worker_is_fenced_out_and_carries_on(
-    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    server: RedisServer, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(2, seed=1)
-    [rid] = await client.submit([RolloutRequest(prompt_token_ids=ps[0], sampling=greedy(96))])
+    [rid] = await client.submit([RolloutRequest(prompt_token_ids=ps[0], sampling=greedy(200))])
     a = start_worker(
         server.url,
-        tiny_dense_dir,
+        SYNTHETIC,
         "stalled",
         tmp_path / "a.log",
         *FAST,
@@ -105,7 +124,7 @@ async def test_stalled_worker_is_fenced_out_and_carries_on(
         await until(lambda: _at_least(client, rid, 8))
         os.kill(a.pid, signal.SIGSTOP)  # stalled past its lease: alive, but silent
         b = start_worker(
-            server.url, tiny_dense_dir, "rescuer", tmp_path / "b.log", *FAST, concurrency=1
+            server.url, SYNTHETIC, "rescuer", tmp_path / "b.log", *FAST, concurrency=1
         )
         await until(lambda: _attempt_at_least(client, rid, 2))
         await until(lambda: _at_least(client, rid, 40))
@@ -119,7 +138,7 @@ async def test_stalled_worker_is_fenced_out_and_carries_on(
         assert a.poll() is None
     finally:
         stop(a, *(p for p in [b] if p))
-    [(ref, _)] = await direct_greedy(cpu_pool, tiny_dense_dir, [ps[0]], greedy(96))
+    [(ref, _)] = await direct_greedy(None, SYNTHETIC, [ps[0]], greedy(200))
     np.testing.assert_array_equal(result.response_token_ids, ref)
     state = await client.store.load(rid)
     assert state == await client.store.replay(rid)
@@ -136,7 +155,7 @@ async def _attempt_at_least(client: RolloutClient, rid: str, n: int) -> bool:
 
 
 async def test_duplicate_job_runs_are_exactly_once(
-    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    server: RedisServer, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(3, seed=2)
@@ -147,7 +166,7 @@ async def test_duplicate_job_runs_are_exactly_once(
     enqueue_rollouts(queue, ids)
     workers = [
         start_worker(
-            server.url, tiny_dense_dir, f"d{i}", tmp_path / f"d{i}.log", *FAST, concurrency=2
+            server.url, SYNTHETIC, f"d{i}", tmp_path / f"d{i}.log", *FAST, concurrency=2
         )
         for i in range(3)
     ]
@@ -156,7 +175,7 @@ async def test_duplicate_job_runs_are_exactly_once(
         await until(lambda: _queue_empty(queue), timeout=60)
     finally:
         stop(*workers)
-    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(48))
+    reference = await direct_greedy(None, SYNTHETIC, ps, greedy(48))
     for rid, r, (ref, _) in zip(ids, results, reference, strict=True):
         np.testing.assert_array_equal(r.response_token_ids, ref)
         events = await client.store.events(rid)
@@ -170,14 +189,14 @@ async def _queue_empty(queue) -> bool:  # type: ignore[no-untyped-def]
 
 
 async def test_redis_restart_while_generating(
-    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    server: RedisServer, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(6, seed=3)
     ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(64)) for p in ps])
     workers = [
         start_worker(
-            server.url, tiny_dense_dir, f"r{i}", tmp_path / f"r{i}.log", *FAST, concurrency=3
+            server.url, SYNTHETIC, f"r{i}", tmp_path / f"r{i}.log", *FAST, concurrency=3
         )
         for i in range(2)
     ]
@@ -187,7 +206,7 @@ async def test_redis_restart_while_generating(
         results = await client.wait(ids, timeout=240)
     finally:
         stop(*workers)
-    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(64))
+    reference = await direct_greedy(None, SYNTHETIC, ps, greedy(64))
     for rid, r, (ref, _) in zip(ids, results, reference, strict=True):
         assert r.status is Status.DONE
         np.testing.assert_array_equal(r.response_token_ids, ref)
@@ -195,7 +214,7 @@ async def test_redis_restart_while_generating(
 
 
 async def test_bounded_chaos(
-    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    server: RedisServer, tmp_path: Path
 ) -> None:
     """Workers killed at random, Redis restarted, one weight update.
 
@@ -215,7 +234,7 @@ async def test_bounded_chaos(
         n_started += 1
         name = f"c{n_started}"
         proc = start_worker(
-            server.url, tiny_dense_dir, name, tmp_path / f"{name}.log", *FAST, concurrency=3
+            server.url, SYNTHETIC, name, tmp_path / f"{name}.log", *FAST, concurrency=3
         )
         names[proc] = name
         return proc
@@ -228,7 +247,7 @@ async def test_bounded_chaos(
             if step == "redis":
                 await asyncio.to_thread(server.restart, kill=True)
             elif step == "weights":
-                await client.publish_weights(1, str(tiny_dense_dir))  # same weights, new version
+                await client.publish_weights(1, str(tmp_path))  # same "weights", new version
             else:
                 busy = await _busy(client, ids, workers, names) or workers
                 victim = busy[rng.randrange(len(busy))]
@@ -239,7 +258,7 @@ async def test_bounded_chaos(
         results = await client.wait(ids, timeout=240)
     finally:
         stop(*workers)
-    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(n))
+    reference = await direct_greedy(None, SYNTHETIC, ps, greedy(n))
     for rid, r, (ref, _) in zip(ids, results, reference, strict=True):
         assert r.status is Status.DONE
         np.testing.assert_array_equal(r.response_token_ids, ref)
@@ -274,14 +293,14 @@ async def _busy(
 
 
 async def test_sigterm_saves_progress_and_exits_promptly(
-    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    server: RedisServer, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(2, seed=5)
     ids = await client.submit(
-        [RolloutRequest(prompt_token_ids=p, sampling=greedy(1500)) for p in ps]
+        [RolloutRequest(prompt_token_ids=p, sampling=greedy(600)) for p in ps]
     )
-    a = start_worker(server.url, tiny_dense_dir, "t", tmp_path / "t.log", *FAST, concurrency=2)
+    a = start_worker(server.url, SYNTHETIC, "t", tmp_path / "t.log", *FAST, concurrency=2)
     b = None
     try:
         await until(lambda: _at_least(client, ids[0], 2 * K))
@@ -293,12 +312,12 @@ async def test_sigterm_saves_progress_and_exits_promptly(
         # Nothing is left live: what was generating is saved and aborted for shutdown.
         assert not any(s.status in (Status.GENERATING, Status.RESUMED) for s in states)
         assert any(s.abort_reason is AbortReason.SHUTDOWN and s.num_tokens >= 2 * K for s in states)
-        b = start_worker(server.url, tiny_dense_dir, "t2", tmp_path / "t2.log", *FAST)
+        b = start_worker(server.url, SYNTHETIC, "t2", tmp_path / "t2.log", *FAST)
         results = await client.wait(ids, timeout=180)
     finally:
         stop(a, *(p for p in [b] if p))
     assert exit_s < 10
-    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(1500))
+    reference = await direct_greedy(None, SYNTHETIC, ps, greedy(600))
     for r, (ref, _) in zip(results, reference, strict=True):
         np.testing.assert_array_equal(r.response_token_ids, ref)
 
@@ -310,6 +329,7 @@ def engine_core_pid(worker_pid: int) -> int:
     return int(pid)
 
 
+@pytest.mark.slow
 async def test_engine_death_stops_the_worker_and_charges_no_attempt(
     cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
 ) -> None:

@@ -1,4 +1,9 @@
-"""In-flight weight updates: real worker subprocesses, a real redis-server, the CPU engine."""
+"""In-flight weight updates: real worker subprocesses, a real redis-server, the CPU engine.
+
+Where the model's output is the point (an update that changes it, drain and keep, republished
+weights that must change no token of a real model) the workers run the CPU engine and the
+tests are `slow`; the bookkeeping of many updates over many rollouts, and republishing on a
+resume-exact engine, run on the synthetic engine."""
 
 from __future__ import annotations
 
@@ -20,7 +25,14 @@ from statemachine import (
 from store.client import RolloutClient
 from store.redis_server import RedisServer
 from tests.engine_pool import EnginePool
-from tests.workers.helpers import direct_greedy, greedy, random_prompts, start_worker, stop
+from tests.workers.helpers import (
+    SYNTHETIC,
+    direct_greedy,
+    greedy,
+    random_prompts,
+    start_worker,
+    stop,
+)
 from workers.tiny_model import make_tiny_checkpoint
 
 pytestmark = pytest.mark.redis_server
@@ -51,26 +63,30 @@ async def wait_version(
         await asyncio.sleep(0.02)
 
 
+@pytest.fixture(params=["synthetic", pytest.param("cpu", marks=pytest.mark.slow)])
+def model(request: pytest.FixtureRequest) -> Path | None:
+    """The workers' model: the tiny dense model on the CPU engine, or SYNTHETIC."""
+    return request.getfixturevalue("tiny_dense_dir") if request.param == "cpu" else SYNTHETIC
+
+
 async def test_republishing_the_same_weights_changes_no_token(
-    cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    cpu_pool: EnginePool, server: RedisServer, model: Path | None, tmp_path: Path
 ) -> None:
     client = RolloutClient(server.url)
     ps = prompts(8)
     n = 300  # long enough that the updates below land while generations are in flight
     ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(n)) for p in ps])
-    workers = [
-        start_worker(server.url, tiny_dense_dir, f"w{i}", tmp_path / f"w{i}.log") for i in (1, 2)
-    ]
+    workers = [start_worker(server.url, model, f"w{i}", tmp_path / f"w{i}.log") for i in (1, 2)]
     rng = random.Random(7)
     try:
         await wait_tokens(client, ids[0], 1)
         for version in range(1, 5):  # aborts land at random offsets
             await asyncio.sleep(rng.uniform(0.05, 0.4))
-            await client.publish_weights(version, str(tiny_dense_dir))
+            await client.publish_weights(version, str(model or tmp_path))
         results = await client.wait(ids, timeout=240)
     finally:
         stop(*workers)
-    reference = await direct_greedy(cpu_pool, tiny_dense_dir, ps, greedy(n))
+    reference = await direct_greedy(cpu_pool, model, ps, greedy(n))
     update_aborts = 0
     for rid, r, (ref_ids, ref_lp) in zip(ids, results, reference, strict=True):
         assert r.status is Status.DONE
@@ -84,6 +100,7 @@ async def test_republishing_the_same_weights_changes_no_token(
     assert update_aborts >= 2, "the updates never interrupted a generation"
 
 
+@pytest.mark.slow
 async def test_a_real_update_mid_flight_switches_exactly(
     cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
 ) -> None:
@@ -123,22 +140,31 @@ async def test_a_real_update_mid_flight_switches_exactly(
 
 
 async def test_64_rollouts_through_5_updates_lose_and_duplicate_nothing(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    server: RedisServer, tmp_path: Path
 ) -> None:
-    other = make_tiny_checkpoint(tmp_path / "b", like=tiny_dense_dir, seed=1)
+    """Bookkeeping, not the model: synthetic workers (real checkpoint loads are the slow
+    tests')."""
     client = RolloutClient(server.url)
     n = 32
     ids = await client.submit(
         [RolloutRequest(prompt_token_ids=p, sampling=greedy(n)) for p in prompts(64, seed=5)]
     )
     workers = [
-        start_worker(server.url, tiny_dense_dir, f"u{i}", tmp_path / f"u{i}.log", concurrency=4)
+        # 50 tokens/s: the five updates land before the 64 rollouts are done.
+        start_worker(
+            server.url,
+            SYNTHETIC,
+            f"u{i}",
+            tmp_path / f"u{i}.log",
+            concurrency=4,
+            synthetic={"token_delay_s": 0.02},
+        )
         for i in (1, 2)
     ]
     try:
         await wait_tokens(client, ids[0], 1)
         for version in range(1, 6):  # five updates in a row while generating
-            await client.publish_weights(version, str(other if version % 2 else tiny_dense_dir))
+            await client.publish_weights(version, str(tmp_path / f"v{version}"))
             # The next one only once some rollout samples on this one (a fixed pause let all
             # 64 finish before the third update on a fast machine: CI saw max version 2).
             await wait_version(client, ids, version)
@@ -157,6 +183,7 @@ async def test_64_rollouts_through_5_updates_lose_and_duplicate_nothing(
     assert max(int(r.weight_versions.max()) for r in results) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["drain", "keep"])
 async def test_drain_and_keep_modes(
     cpu_pool: EnginePool, server: RedisServer, tiny_dense_dir: Path, tmp_path: Path, mode: str

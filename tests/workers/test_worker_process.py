@@ -1,4 +1,5 @@
-"""Real redis-server, real worker subprocesses, the tiny models."""
+"""Real redis-server, real worker subprocesses: the tiny models where the model's output is
+checked (`slow`), the synthetic engine where only the worker's handling of it is."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from store.redis_server import RedisServer
 from tests.engine_pool import EnginePool
 from tests.engines.test_cpu_moe import hf_routing
 from tests.workers.helpers import (
+    SYNTHETIC,
     attempt_intervals,
     direct_greedy,
     max_overlap,
@@ -37,6 +39,7 @@ def prompts(n: int) -> list[tuple[int, ...]]:
     return [tuple(int(t) for t in (np.arange(5) * (i + 3) + 11 * i + 7) % 2000) for i in range(n)]
 
 
+@pytest.mark.slow
 async def test_two_workers_two_slots_six_rollouts(
     cpu_pool: EnginePool, server: RedisServer, tiny_moe_dir: Path, tmp_path: Path
 ) -> None:
@@ -108,21 +111,30 @@ async def test_two_workers_two_slots_six_rollouts(
     await client.aclose()
 
 
+@pytest.mark.parametrize(
+    ("engine", "error"),
+    [
+        ("synthetic", "poison token 1000000"),  # the synthetic engine's poison knob
+        pytest.param("cpu", "outside the vocabulary", marks=pytest.mark.slow),
+    ],
+)
 async def test_poison_request_fails_alone(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
+    request: pytest.FixtureRequest, server: RedisServer, tmp_path: Path, engine: str, error: str
 ) -> None:
+    model = request.getfixturevalue("tiny_dense_dir") if engine == "cpu" else SYNTHETIC
     client = RolloutClient(server.url)
     good = [RolloutRequest(prompt_token_ids=p, sampling=GREEDY) for p in prompts(3)]
     poison = RolloutRequest(prompt_token_ids=(5, 10**6, 7), sampling=GREEDY)  # not in vocab
     ids = await client.submit([good[0], poison, good[1], good[2]])
     worker = start_worker(
         server.url,
-        tiny_dense_dir,
+        model,
         "wp",
         tmp_path / "wp.log",
         "--burst",
         "--max-engine-attempts",
         "2",
+        synthetic={"poison_token": 10**6},
     )
     try:
         results = await client.wait(ids, timeout=180)
@@ -132,7 +144,7 @@ async def test_poison_request_fails_alone(
     statuses = [r.status for r in results]
     assert statuses == ["done", "failed", "done", "done"]
     failed = results[1]
-    assert "outside the vocabulary" in (failed.error or "") and failed.attempts == 2
+    assert error in (failed.error or "") and failed.attempts == 2
     events = await client.store.events(ids[1])
     assert [type(e).__name__ for e in events] == [
         "Submitted",
@@ -148,15 +160,13 @@ async def test_poison_request_fails_alone(
     await client.aclose()
 
 
-async def test_job_for_a_finished_rollout_does_nothing(
-    server: RedisServer, tiny_dense_dir: Path, tmp_path: Path
-) -> None:
+async def test_job_for_a_finished_rollout_does_nothing(server: RedisServer, tmp_path: Path) -> None:
     client = RolloutClient(server.url)
     [rid] = await client.submit([RolloutRequest(prompt_token_ids=(1, 2, 3), sampling=GREEDY)])
     for round_ in range(2):
         if round_:
             enqueue_rollouts(rollout_queue(Redis.from_url(server.url)), [rid])  # a duplicate job
-        w = start_worker(server.url, tiny_dense_dir, f"wt{round_}", tmp_path / "wt.log", "--burst")
+        w = start_worker(server.url, SYNTHETIC, f"wt{round_}", tmp_path / "wt.log", "--burst")
         try:
             assert w.wait(120) == 0
         finally:
