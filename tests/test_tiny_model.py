@@ -20,6 +20,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from workers.cli import build_parser
 from workers.tiny_model import EOS_TOKEN, make_tiny_checkpoint, make_tiny_model
 
+# Builds and loads real tiny models through the CLI: the full suite's tier.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 FILES = (
     "config.json",

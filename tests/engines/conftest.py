@@ -70,7 +70,8 @@ def _vllm_case(moe: bool) -> EngineCase:
 
 ENGINE_CASES = [
     EngineCase(name="cpu-dense", moe=False, pool_fixture="cpu_pool"),
-    EngineCase(name="cpu-moe", moe=True, pool_fixture="cpu_pool"),
+    # The fast tier (-m "not slow") keeps the dense CPU case: the contract on a real model.
+    EngineCase(name="cpu-moe", moe=True, pool_fixture="cpu_pool", marks=(pytest.mark.slow,)),
     _vllm_case(moe=False),
     _vllm_case(moe=True),
     # Over HTTP, the MoE model only (the harder reload): each model directory the suite

@@ -22,6 +22,9 @@ from workers.engines.cpu.core import EngineCore
 from workers.engines.cpu.engine import CpuEngine
 from workers.engines.errors import EngineClosed, EngineDead, EngineError
 
+# Real engine-core processes started and killed (seconds each): the full suite's tier.
+pytestmark = pytest.mark.slow
+
 PROMPT = (11, 12, 13, 14, 15)
 
 

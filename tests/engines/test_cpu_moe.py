@@ -16,6 +16,9 @@ from workers.engines.base import EngineRequest, expert_dtype
 from workers.engines.cpu.engine import CpuEngine
 from workers.tiny_model import NUM_EXPERTS, NUM_LAYERS, TOP_K
 
+# The MoE model against the HF router: a real model, the full suite's tier.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 async def moe_engine(cpu_pool: EnginePool, tiny_moe_dir: Path) -> CpuEngine:

@@ -32,6 +32,7 @@ async def _until(cond, timeout: float = 120) -> None:  # type: ignore[no-untyped
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow  # two real models in three worker processes
 async def test_a_dead_workers_rollout_resumes_only_on_its_queue_and_model(
     cpu_pool: EnginePool,
     server: RedisServer,
