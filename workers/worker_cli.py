@@ -16,7 +16,13 @@ from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
 from workers import redis_options
 from workers.die_with_parent import ask_children_to_die_with_me
-from workers.engine_factory import ENGINES, make_engine
+from workers.engine_factory import (
+    ENGINES,
+    SYNTHETIC_ARGS_ENV,
+    VLLM_ARGS_ENV,
+    VLLM_SERVERS_ENV,
+    make_engine,
+)
 from workers.runner import Cadence
 from workers.weight_updates import WeightMode
 from workers.worker import Worker, WorkerConfig
@@ -55,8 +61,18 @@ def command(
 
 def configure(parser: argparse.ArgumentParser) -> None:
     redis_options.add_arguments(parser, otherwise=DEFAULT_URL)
-    parser.add_argument("--engine", choices=ENGINES, default="cpu")
-    parser.add_argument("--model", help="model directory (HF layout) for the cpu engine")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="cpu",
+        help="cpu (transformers), vllm (in-process AsyncLLM; its arguments as JSON in "
+        f"${VLLM_ARGS_ENV}), vllm-http (servers listed in ${VLLM_SERVERS_ENV}) or synthetic "
+        f"(no model, for tests and benchmarks; its options as JSON in ${SYNTHETIC_ARGS_ENV}) "
+        "(default cpu)",
+    )
+    parser.add_argument(
+        "--model", help="model directory (HF layout) for the cpu and vllm engines (default: none)"
+    )
     parser.add_argument(
         "--max-concurrency",
         type=int,
