@@ -271,3 +271,49 @@ async def test_a_job_on_the_wrong_queue_moves_to_the_rollouts_own_and_another_mo
     [job_id] = _registries(sync)["queued"]
     assert rollout_queue(sync).fetch_job(job_id).kwargs == {"rollout_id": "other-model"}
     await client.aclose()
+
+
+@pytest.mark.slow  # a real Redis outage longer than the client's ~15 s of retries
+async def test_registries_match_the_rollouts_after_a_long_redis_outage(
+    server: RedisServer,
+) -> None:
+    client = aredis.Redis.from_url(server.url)
+    store = EventStore(client)
+    ids = [f"o{i}" for i in range(4)]
+    for rid in ids:
+        await _submit(store, rid, 200)
+    enqueue_rollouts(rollout_queue(Redis.from_url(server.url)), ids)
+    worker = Worker(
+        WorkerConfig(redis_url=server.url, max_concurrency=4, lease_ttl_s=2.0, heartbeat_s=0.25,
+                     reap_interval_s=0.2, rq_execution_ttl_s=3.0),
+        SyntheticEngine(tokens_per_chunk=1, token_delay_s=0.02),
+    )  # fmt: skip
+    task = asyncio.create_task(worker.run())
+    try:
+        while (await store.load(ids[0])).num_tokens < 20:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(server.stop)  # SIGTERM: the AOF keeps what was acknowledged
+        await asyncio.sleep(20)  # longer than the clients' own retries
+        await asyncio.to_thread(server.start)
+        await client.aclose()
+        client = aredis.Redis.from_url(server.url)
+        store = EventStore(client)
+        deadline = asyncio.get_running_loop().time() + 120
+        while True:
+            states = await store.statuses(ids)
+            books = _registries(Redis.from_url(server.url))
+            settled = books["started"] == books["queued"] == []
+            if all(s is Status.DONE for s in states) and settled:
+                break
+            assert asyncio.get_running_loop().time() < deadline, (states, books)
+            await asyncio.sleep(0.2)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 60)
+    # Before: a job whose bookkeeping failed in the outage stayed "started" with nobody on it,
+    # and rq later failed it as abandoned although its rollout was done.
+    assert books["failed"] == []
+    assert len(books["finished"]) >= len(ids)  # duplicates of a job are canceled, not failed
+    for rid in ids:
+        assert await store.load(rid) == await store.replay(rid)
+    await client.aclose()
