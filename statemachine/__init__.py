@@ -28,6 +28,7 @@ from statemachine.events import (
     Event,
     Failed,
     Finished,
+    Membership,
     Resumed,
     Started,
     Submitted,
@@ -36,7 +37,16 @@ from statemachine.events import (
 )
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest, SamplingParams
 from statemachine.rollout_state import RolloutState
-from statemachine.status import LIVE, TERMINAL, WAITING, AbortReason, FinishReason, Status
+from statemachine.status import (
+    LIVE,
+    TERMINAL,
+    WAITING,
+    AbortReason,
+    FailureClass,
+    FinishReason,
+    GroupPolicy,
+    Status,
+)
 from statemachine.transitions import EVENT_TYPES, TRANSITIONS, apply, fold
 
 __all__ = [
@@ -55,11 +65,14 @@ __all__ = [
     "CorruptRecord",
     "Event",
     "Failed",
+    "FailureClass",
     "FinishReason",
     "Finished",
+    "GroupPolicy",
     "IllegalTransition",
     "InvalidEvent",
     "InvalidRequest",
+    "Membership",
     "ModelMismatch",
     "OffsetMismatch",
     "Resumed",

@@ -34,6 +34,7 @@ from statemachine.events import (
     Event,
     Failed,
     Finished,
+    Membership,
     Resumed,
     Started,
     Submitted,
@@ -41,12 +42,13 @@ from statemachine.events import (
 )
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest
 from statemachine.rollout_state import RolloutState
-from statemachine.status import AbortReason, FinishReason, Status
+from statemachine.status import AbortReason, FailureClass, FinishReason, Status
 
 EVENT_MAGIC = b"R"
 SNAPSHOT_MAGIC = b"S"
 # v2 appends the model of the rollout's attempts; a v1 head decodes with model "" (unknown).
-SNAPSHOT_SCHEMA = 2
+# v3 appends the failure class of a failed rollout; a v2 head infers it (``_legacy_failure``).
+SNAPSHOT_SCHEMA = 3
 _ALLOWED_DTYPES = {dt.str: dt for dt in (TOKEN_DTYPE, LOGPROB_DTYPE, VERSION_DTYPE, *ROUTE_DTYPES)}
 # uint8 has no byte order; numpy spells it "|u1".
 _ALLOWED_DTYPES["|u1"] = np.dtype("u1")
@@ -130,16 +132,18 @@ _Codec = tuple[type[Event], int, Callable[[Any], Fields], Callable[[Fields], Fie
 REGISTRY: dict[str, _Codec] = {
     "submitted": (
         Submitted,
-        2,
+        3,
         lambda e: {
             "request": e.request.to_dict(),
             "admitted_version": e.admitted_version,
             "queue": e.queue,
+            "membership": e.membership.to_dict(),
         },
         lambda f: {
             "request": RolloutRequest.from_dict(f["request"]),
             "admitted_version": f["admitted_version"],
             "queue": f["queue"],
+            "membership": Membership(**f["membership"]),
         },
     ),
     "started": (Started, 2, _attempt_fields, dict),
@@ -161,11 +165,15 @@ REGISTRY: dict[str, _Codec] = {
         },
         lambda f: {**f, "finish_reason": FinishReason(f["finish_reason"])},
     ),
-    "failed": (Failed, 1, lambda e: {"error": e.error, "attempts": e.attempts}, dict),
+    "failed": (
+        Failed,
+        2,
+        lambda e: {"error": e.error, "attempts": e.attempts, "failure": e.failure.value},
+        lambda f: {**f, "failure": FailureClass(f["failure"])},
+    ),
     "cancelled": (Cancelled, 1, lambda e: {"reason": e.reason}, dict),
 }
 _NAME_OF: dict[type[Event], str] = {cls: name for name, (cls, *_rest) in REGISTRY.items()}
-
 
 
 def _queue_recorded(f: Fields) -> Fields:
@@ -189,9 +197,31 @@ def _engine_dead_named(f: Fields) -> Fields:
     return f
 
 
+def _no_batch(f: Fields) -> Fields:
+    """submitted v2 -> v3: rollouts submitted before batches existed belong to none; each is
+    a group of one."""
+    return {**f, "membership": Membership().to_dict()}
+
+
+def _legacy_failure(error: str | None) -> FailureClass:
+    """The failure class of a failure recorded before classes were: the worker wrote
+    "unreadable record: ..." for records it could not decode; every other failure then was a
+    rollout that used up its engine-error budget."""
+    if (error or "").startswith("unreadable record"):
+        return FailureClass.UNREADABLE
+    return FailureClass.ENGINE_ERROR
+
+
+def _failure_classed(f: Fields) -> Fields:
+    """failed v1 -> v2: the class was not recorded; inferred from the error text."""
+    return {**f, "failure": _legacy_failure(f.get("error")).value}
+
+
 # (type name, stored version) -> function turning those fields into the next version's fields.
 UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {
     ("submitted", 1): _queue_recorded,
+    ("submitted", 2): _no_batch,
+    ("failed", 1): _failure_classed,
     ("started", 1): _model_recorded,
     ("resumed", 1): _model_recorded,
     ("aborted", 1): _engine_dead_named,
@@ -283,6 +313,7 @@ def encode_snapshot(state: RolloutState) -> bytes:
             state.stop_reason,
             state.error,
             state.model,
+            None if state.failure is None else state.failure.value,
         ],
         use_bin_type=True,
     )
@@ -302,6 +333,10 @@ def decode_snapshot(
         fields = _unpack(body)
         if isinstance(fields, list) and len(fields) == 13 and fields[0] == 1:
             fields = [2, *fields[1:], ""]  # v1 -> v2: the model was not recorded
+        if isinstance(fields, list) and len(fields) == 14 and fields[0] == 2:
+            # v2 -> v3: the failure class was not recorded.
+            legacy = _legacy_failure(fields[12]).value if fields[3] == "failed" else None
+            fields = [3, *fields[1:], legacy]
         (
             version,
             rid,
@@ -317,6 +352,7 @@ def decode_snapshot(
             stop_reason,
             error,
             model,
+            failure,
         ) = fields
     except (TypeError, ValueError):
         # Wrong arity: the head was not written by this code.
@@ -334,6 +370,7 @@ def decode_snapshot(
             submitted_at=submitted.at,
             admitted_version=submitted.admitted_version,
             queue=submitted.queue,
+            membership=submitted.membership,
             model=model,
             attempt=attempt,
             worker_id=worker_id,
@@ -345,6 +382,7 @@ def decode_snapshot(
             finish_reason=None if finish_reason is None else FinishReason(finish_reason),
             stop_reason=stop_reason,
             error=error,
+            failure=None if failure is None else FailureClass(failure),
         )
     except ValueError as exc:
         # An enum value this code does not know.

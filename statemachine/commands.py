@@ -22,6 +22,7 @@ from statemachine.events import (
     Event,
     Failed,
     Finished,
+    Membership,
     Resumed,
     Started,
     Submitted,
@@ -29,7 +30,7 @@ from statemachine.events import (
 )
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest
 from statemachine.rollout_state import RolloutState
-from statemachine.status import LIVE, AbortReason, FinishReason, Status
+from statemachine.status import LIVE, AbortReason, FailureClass, FinishReason, Status
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -55,6 +56,7 @@ def submit(
     *,
     admitted_version: int = 0,
     queue: str = DEFAULT_QUEUE,
+    membership: Membership | None = None,
     at: float | None = None,
 ) -> Submitted:
     """A new rollout. ``at`` is passed by a caller that must record the same bytes when it
@@ -66,6 +68,7 @@ def submit(
         request=request,
         admitted_version=admitted_version,
         queue=queue,
+        membership=membership or Membership(),
         **extra,
     )
 
@@ -154,10 +157,12 @@ def abort(
     return events
 
 
-def fail(state: RolloutState, error: str) -> Failed:
-    """Given up on the rollout after ``state.attempt`` attempts."""
+def fail(
+    state: RolloutState, error: str, failure: FailureClass = FailureClass.ENGINE_ERROR
+) -> Failed:
+    """Given up on the rollout after ``state.attempt`` attempts, for a ``failure`` of a kind."""
     return Failed(rollout_id=state.rollout_id, seq=state.seq + 1, error=error,
-                  attempts=state.attempt)  # fmt: skip
+                  attempts=state.attempt, failure=failure)  # fmt: skip
 
 
 def cancel(state: RolloutState, reason: str = "") -> Cancelled:

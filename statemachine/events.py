@@ -23,7 +23,7 @@ from statemachine.arrays import (
 )
 from statemachine.errors import InvalidEvent
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest
-from statemachine.status import AbortReason, FinishReason
+from statemachine.status import AbortReason, FailureClass, FinishReason, GroupPolicy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +43,42 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Membership:
+    """Where a rollout sits in what the trainer submitted: sample ``sample_index`` of the
+    ``group_size`` samples of prompt ``group_index`` of batch ``batch_id``. The batch is the
+    unit of idempotent submission and of completion delivery; the group is what GRPO scores
+    together. Records written before batches existed decode with ``batch_id`` "" (none)."""
+
+    batch_id: str = ""
+    group_index: int = 0
+    sample_index: int = 0
+    group_size: int = 1
+    group_policy: GroupPolicy = GroupPolicy.SAMPLE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_id, str):
+            raise InvalidEvent(f"batch_id must be a string, got {self.batch_id!r}")
+        for name in ("group_index", "sample_index", "group_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidEvent(f"{name} must be an int >= 0, got {v!r}")
+        if self.group_size < 1 or self.sample_index >= self.group_size:
+            raise InvalidEvent(
+                f"sample {self.sample_index} of a group of {self.group_size} does not exist"
+            )
+        object.__setattr__(self, "group_policy", GroupPolicy(self.group_policy))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_id": self.batch_id,
+            "group_index": self.group_index,
+            "sample_index": self.sample_index,
+            "group_size": self.group_size,
+            "group_policy": self.group_policy.value,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Submitted(Event):
     """``queue`` is the rq queue the rollout was submitted to: every later attempt (a requeue
     after a shutdown, a weight update, an engine error or a lost worker) goes back to it, so
@@ -51,11 +87,14 @@ class Submitted(Event):
     request: RolloutRequest
     admitted_version: int = 0  # newest published weight version when it was submitted
     queue: str = DEFAULT_QUEUE
+    membership: Membership = field(default_factory=Membership)
 
     def __post_init__(self) -> None:
         Event.__post_init__(self)
         if not isinstance(self.queue, str) or not self.queue:
             raise InvalidEvent(f"queue must be a non-empty string, got {self.queue!r}")
+        if not isinstance(self.membership, Membership):
+            raise InvalidEvent("membership must be a Membership")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,10 +204,16 @@ class Finished(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Failed(Event):
-    """Given up: ``attempts`` is how many attempts were made."""
+    """Given up: ``attempts`` is how many attempts were made; ``failure`` says which kind of
+    failure ended it (a request error is never retried; the others ran out of budget)."""
 
     error: str
     attempts: int
+    failure: FailureClass = FailureClass.ENGINE_ERROR
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        object.__setattr__(self, "failure", FailureClass(self.failure))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,9 +9,12 @@ import numpy as np
 import numpy.typing as npt
 
 from statemachine.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, concat
-from statemachine.events import TokensAppended
+from statemachine.events import Membership, TokensAppended
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest, SamplingParams
-from statemachine.status import LIVE, TERMINAL, AbortReason, FinishReason, Status
+from statemachine.status import LIVE, TERMINAL, AbortReason, FailureClass, FinishReason, Status
+
+# Frozen, so one instance may be every legacy state's default.
+_NO_BATCH = Membership()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,6 +26,7 @@ class RolloutState:
     submitted_at: float = 0.0
     admitted_version: int = 0  # newest published weights when it was submitted
     queue: str = DEFAULT_QUEUE  # the rq queue it was submitted to; every requeue goes there
+    membership: Membership = _NO_BATCH  # its batch, group and sample
     model: str = ""  # the model its attempts run ("" until one starts, or if unrecorded)
     attempt: int = 0  # number of the latest attempt; 0 until the first start
     worker_id: str | None = None  # worker of the latest attempt
@@ -35,6 +39,7 @@ class RolloutState:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    failure: FailureClass | None = None  # set when failed
 
     __hash__ = None  # type: ignore[assignment]  # holds a request with a metadata dict
 

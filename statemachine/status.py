@@ -35,3 +35,20 @@ class FinishReason(StrEnum):
 
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
+
+
+class FailureClass(StrEnum):
+    """Why a rollout failed, each with its own handling: a request error is the request's
+    fault and is never retried; the others are retried within a budget before they fail it."""
+
+    REQUEST_ERROR = "request_error"  # the engine can never serve it (too long, bad ids, ...)
+    ENGINE_ERROR = "engine_error"  # the engine failed on it, MAX_ENGINE_ATTEMPTS times
+    WORKER_LOST = "worker_lost"  # its workers kept dying under it
+    UNREADABLE = "unreadable"  # its stored records cannot be decoded
+
+
+class GroupPolicy(StrEnum):
+    """What a failed sample does to the other samples of its group (GRPO needs whole groups)."""
+
+    SAMPLE = "sample"  # it fails alone; its siblings carry on
+    GROUP = "group"  # its siblings are cancelled: a group with a hole is useless to the trainer

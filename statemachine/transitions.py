@@ -103,6 +103,7 @@ def _submitted(_: RolloutState | None, e: Event, after: Status) -> RolloutState:
         submitted_at=e.at,
         admitted_version=e.admitted_version,
         queue=e.queue,
+        membership=e.membership,
     )
 
 
@@ -160,7 +161,7 @@ def _finished(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
 def _failed(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Failed)
     _expect_attempt(s, e, e.attempts, s.attempt)
-    return s.evolve(seq=e.seq, status=after, error=e.error)
+    return s.evolve(seq=e.seq, status=after, error=e.error, failure=e.failure)
 
 
 def _cancelled(s: RolloutState | None, e: Event, after: Status) -> RolloutState:

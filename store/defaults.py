@@ -75,3 +75,23 @@ BOOKS_RETRY_S = 300.0
 # How often ``wait`` re-reads the status of rollouts still running; one pipelined round trip
 # for all of them, backing off from the first value to the second.
 WAIT_POLL_S = (0.02, 0.5)
+
+# -- submissions ----------------------------------------------------------------------------------
+# The largest max_tokens a submit accepts (a deployment with longer contexts raises it): a typo'd
+# budget is refused at submit, not discovered as a worker-side error hours later.
+MAX_TOKENS_CAP = 1 << 20
+# Samples per prompt (GRPO uses 4-64) and rollouts per submit call.
+MAX_GROUP_SIZE = 1024
+MAX_SUBMIT_ROLLOUTS = 100_000
+# Metadata rides in every rollout's Submitted record and comes back with its result: small.
+MAX_METADATA_BYTES = 4096
+# Rollouts recorded and enqueued per MULTI/EXEC: each chunk is one atomic round trip, so 10,000
+# rollouts take ~10, and a failure leaves whole chunks (never a recorded but unqueued rollout).
+SUBMIT_CHUNK = 1000
+
+# -- retention ------------------------------------------------------------------------------------
+# An ended rollout nobody acknowledged is deleted this long after it ended (0 keeps it forever):
+# a trainer that crashed and never came back does not fill Redis until it refuses writes.
+RETENTION_S = 24 * 3600
+# How long one blocking read of a completion stream waits before looking around again.
+COMPLETION_BLOCK_MS = 1000

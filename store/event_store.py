@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 
 from statemachine import (
     Event,
+    FailureClass,
     RolloutState,
     Status,
     Submitted,
@@ -43,17 +44,22 @@ from store.errors import (
 )
 from store.keys import Keys
 
-# The snapshot hash's fields (written by lua/append.lua, read only here): the encoded head of
-# the derived scalars, and the immutable Submitted record kept beside it for O(1) loads.
+# The snapshot hash's fields (written by lua/append.lua, read only in store/): the encoded head
+# of the derived scalars, the immutable Submitted record kept beside it for O(1) loads, the
+# status in plain text (for the counters and acks done in Lua), and the id of the rollout's
+# entry in its batch's completion stream once it ended.
 HEAD = "head"
 SUBMITTED = "sub"
+STATUS = "st"
+COMPLETION = "cid"
+JOB = "job"  # the rq job enqueued at submit (written by store/batches.py), deleted at ack
 
 
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     event: Event
     state: RolloutState
-    keys: tuple[str, str]
+    keys: tuple[str, ...]
     args: tuple[int | str | bytes, ...]
 
 
@@ -69,7 +75,7 @@ class EventStore:
     async def append(self, state: RolloutState | None, event: Event) -> RolloutState:
         """Append ``event`` to the rollout whose current state the caller holds as ``state``
         (None for a new rollout) and return the state after it."""
-        p = self._prepare(state, event)
+        p = self.prepare(state, event)
         reply = await scripts.APPEND(self.redis, p.keys, p.args)
         error = _refusal(reply, p.event)
         if error is not None:
@@ -93,7 +99,7 @@ class EventStore:
             start = len(calls)
             try:
                 for event in events:
-                    p = self._prepare(state, event)
+                    p = self.prepare(state, event)
                     calls.append(p)
                     state = p.state
             except TransitionError as exc:
@@ -114,20 +120,31 @@ class EventStore:
                     break
         return results
 
-    def _prepare(self, state: RolloutState | None, event: Event) -> _Prepared:
+    def prepare(self, state: RolloutState | None, event: Event) -> _Prepared:
+        """The checked event with the keys and arguments of its append (no I/O): for callers
+        that put appends into a transaction of their own (``store.batches``)."""
         new_state = apply(state, event)
         fence = fence_of(event)
         rid = event.rollout_id
+        batch = new_state.membership.batch_id
         return _Prepared(
             event=event,
             state=new_state,
-            keys=self.keys.rollout(rid),
+            keys=(
+                *self.keys.rollout(rid),
+                self.keys.completions(batch),
+                self.keys.stats(),
+                self.keys.batch(batch),
+            ),
             args=(
                 event.seq,
                 "" if fence is None else str(fence),
                 codec.encode(event),
                 codec.encode_snapshot(new_state),
                 new_state.live_attempt,
+                new_state.status.value,
+                len(event) if isinstance(event, TokensAppended) else 0,
+                rid,
             ),
         )
 
@@ -139,6 +156,33 @@ class EventStore:
             pipe.hmget(self.keys.snapshot(rollout_id), [HEAD, SUBMITTED])
             pipe.xrange(self.keys.log(rollout_id))
             (head, sub), entries = await pipe.execute()
+        return self._assemble(rollout_id, head, sub, entries)
+
+    async def load_many(self, rollout_ids: Sequence[str]) -> list[RolloutState | Exception]:
+        """``load`` of many rollouts in one round trip; each result is the state or that
+        rollout's own error (not found, unreadable), so one bad rollout spoils only itself.
+        One MULTI, so every head is read at the same instant as its log, as in ``load``."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for rid in rollout_ids:
+                pipe.hmget(self.keys.snapshot(rid), [HEAD, SUBMITTED])
+                pipe.xrange(self.keys.log(rid))
+            replies = await pipe.execute(raise_on_error=False)
+        out: list[RolloutState | Exception] = []
+        for i, rid in enumerate(rollout_ids):
+            fields, entries = replies[2 * i], replies[2 * i + 1]
+            try:
+                for reply in (fields, entries):
+                    if isinstance(reply, Exception):
+                        raise reply
+                head, sub = fields
+                out.append(self._assemble(rid, head, sub, entries))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def _assemble(
+        self, rollout_id: str, head: bytes | None, sub: bytes | None, entries: list[Any]
+    ) -> RolloutState:
         if head is None or sub is None:
             raise RolloutNotFound(rollout_id)
         submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
@@ -157,6 +201,22 @@ class EventStore:
             )
         return state
 
+    async def head(self, rollout_id: str) -> RolloutState:
+        """The current state without its token data (``chunks`` empty): what a status check
+        or a ``Cancelled`` append needs, in one small read however long the rollout."""
+        head, sub = await self.redis.hmget(self.keys.snapshot(rollout_id), [HEAD, SUBMITTED])  # type: ignore[misc]
+        if head is None or sub is None:
+            raise RolloutNotFound(rollout_id)
+        return self.decode_head(rollout_id, head, sub)
+
+    @staticmethod
+    def decode_head(rollout_id: str, head: bytes, sub: bytes) -> RolloutState:
+        """The state of a snapshot's ``head`` and ``sub`` fields, without token data."""
+        submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
+        if not isinstance(submitted, Submitted):
+            raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
+        return codec.decode_snapshot(head, submitted)
+
     async def replay(self, rollout_id: str) -> RolloutState:
         """The state rebuilt from the log alone, checking every transition on the way."""
         state: RolloutState | None = None
@@ -174,16 +234,10 @@ class EventStore:
         is not needed to end it) makes it end with the reason. True if recorded; False if it
         had ended already. Raises ``CodecError`` if the snapshot is unreadable too.
         """
-        head, sub = await self.redis.hmget(self.keys.snapshot(rollout_id), [HEAD, SUBMITTED])  # type: ignore[misc]
-        if head is None or sub is None:
-            raise RolloutNotFound(rollout_id)
-        submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
-        if not isinstance(submitted, Submitted):
-            raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
-        state = codec.decode_snapshot(head, submitted)
+        state = await self.head(rollout_id)
         if state.terminal:
             return False
-        await self.append(state, commands.fail(state, error))
+        await self.append(state, commands.fail(state, error, FailureClass.UNREADABLE))
         return True
 
     async def events(self, rollout_id: str) -> list[Event]:

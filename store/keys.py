@@ -13,10 +13,26 @@ from store.errors import InvalidRolloutId
 
 DEFAULT_NAMESPACE = "dr"
 _MAX_ID_LEN = 200
+_MAX_BATCH_ID_LEN = 160
 
 
 # Braces would break the hash tag; whitespace and colons make keys ambiguous to read.
 _VALID_ID = re.compile(rf"[^{{}}:\s]{{1,{_MAX_ID_LEN}}}")
+
+
+def check_batch_id(batch_id: str) -> str:
+    """A batch id names keys and prefixes its rollouts' ids (``<batch>.<group>.<sample>``), so
+    it follows the rollout-id rules with room left for the suffix."""
+    if (
+        not isinstance(batch_id, str)
+        or _VALID_ID.fullmatch(batch_id) is None
+        or (len(batch_id) > _MAX_BATCH_ID_LEN)
+    ):
+        raise InvalidRolloutId(
+            f"batch id must be 1-{_MAX_BATCH_ID_LEN} characters without braces, colons or "
+            f"whitespace, got {batch_id!r}"
+        )
+    return batch_id
 
 
 def check_rollout_id(rollout_id: str) -> str:
@@ -49,6 +65,29 @@ class Keys:
     def quarantine(self) -> str:
         """Rollouts set aside because they cannot be read (rollout id -> reason)."""
         return f"{self.namespace}:quarantine"
+
+    def batch(self, batch_id: str) -> str:
+        """A batch's record (a hash: request fingerprint, rollout ids, group size, retention)."""
+        return f"{self.namespace}:batch:{{{batch_id}}}"
+
+    def completions(self, batch_id: str) -> str:
+        """A batch's completion stream: one entry per rollout that ended, written by the same
+        atomic append that ended it. Rollouts of no batch (older records) share one stream."""
+        if not batch_id:
+            return f"{self.namespace}:completions"
+        return f"{self.namespace}:batch:{{{batch_id}}}:done"
+
+    def batches(self) -> str:
+        """Every batch's id, scored by the time it was submitted (a sorted set)."""
+        return f"{self.namespace}:batches"
+
+    def stats(self) -> str:
+        """Counters kept by the appends themselves: rollouts by state, tokens generated."""
+        return f"{self.namespace}:stats"
+
+    def workers(self) -> str:
+        """Live workers' heartbeats (worker id -> their in-flight count, weights, time)."""
+        return f"{self.namespace}:workers"
 
     def rollout(self, rollout_id: str) -> tuple[str, str]:
         """``(log, snapshot)``: what the append script gets as KEYS, checked once."""

@@ -22,6 +22,8 @@ from store import defaults
 # The function rq records for every job. Workers never call it; it exists so that a stray
 # stock ``rq worker`` fails the job with a clear message instead of an import error.
 JOB_FUNC = "workers.jobs.run_rollout"
+# How long rq keeps a finished job (and lists it as finished); ``ack`` deletes it sooner.
+JOB_RESULT_TTL_S = 3600
 
 
 def rollout_queue(connection: Redis, name: str = defaults.QUEUE_NAME) -> Queue:
@@ -41,7 +43,7 @@ def enqueue_rollouts(queue: Queue, rollout_ids: Sequence[str], *, at_front: bool
                 JOB_FUNC,
                 kwargs={"rollout_id": rid},
                 description=f"rollout {rid}",
-                result_ttl=3600,
+                result_ttl=JOB_RESULT_TTL_S,
                 failure_ttl=7 * 86400,
                 at_front=at_front,
                 pipeline=pipe,

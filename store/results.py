@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from statemachine import FinishReason, RolloutState, Status
+from statemachine import FailureClass, FinishReason, RolloutState, Status
 
 
 def version_segments(versions: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
@@ -44,6 +44,14 @@ class RolloutResult:
     metadata: dict[str, Any]
     admitted_version: int = 0
     max_staleness: int | None = None
+    failure: FailureClass | None = None  # why it failed (request_error, engine_error, ...)
+    batch_id: str = ""
+    group_index: int = 0
+    sample_index: int = 0
+    group_size: int = 1
+    # Where its completion sits in its batch's completion stream: pass it as ``after=`` to
+    # re-attach after it ("" when the result was not read from a stream).
+    position: str = ""
 
     @property
     def stale(self) -> bool:
@@ -61,7 +69,34 @@ class RolloutResult:
         return version_segments(self.weight_versions)
 
     @classmethod
-    def from_state(cls, state: RolloutState, tokenizer: Tokenizer | None = None) -> RolloutResult:
+    def unreadable(cls, rollout_id: str, error: str, position: str = "") -> RolloutResult:
+        """A rollout whose records cannot be decoded: reported as that rollout's failure, so
+        one damaged record never hides a whole batch's results."""
+        return cls(
+            rollout_id=rollout_id,
+            status=Status.FAILED,
+            prompt_token_ids=(),
+            response_token_ids=np.zeros(0, np.int32),
+            logprobs=np.zeros(0, np.float32),
+            weight_versions=np.zeros(0, np.int64),
+            routed_experts=None,
+            finish_reason=None,
+            stop_reason=None,
+            text=None,
+            error=f"unreadable record: {error}",
+            attempts=0,
+            aborts=0,
+            nonfinite_logprobs=0,
+            group_id=None,
+            metadata={},
+            failure=FailureClass.UNREADABLE,
+            position=position,
+        )
+
+    @classmethod
+    def from_state(
+        cls, state: RolloutState, tokenizer: Tokenizer | None = None, position: str = ""
+    ) -> RolloutResult:
         ids = state.token_ids
         # Decoding all ids at once (not joining per-chunk texts) keeps multi-byte characters
         # and merges across checkpoint or resume boundaries intact.
@@ -85,4 +120,30 @@ class RolloutResult:
             metadata=dict(state.request.metadata),
             admitted_version=state.admitted_version,
             max_staleness=state.request.max_staleness,
+            failure=state.failure,
+            batch_id=state.membership.batch_id,
+            group_index=state.membership.group_index,
+            sample_index=state.membership.sample_index,
+            group_size=state.membership.group_size,
+            position=position,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """The samples of one prompt, in sample order, once every one of them ended."""
+
+    batch_id: str
+    group_index: int
+    results: list[RolloutResult]
+    group_size: int
+
+    @property
+    def complete(self) -> bool:
+        """False only for a group some of whose samples were acknowledged or expired before
+        they could be delivered (it is yielded last, with what is left)."""
+        return len(self.results) == self.group_size
+
+    @property
+    def rollout_ids(self) -> list[str]:
+        return [r.rollout_id for r in self.results]

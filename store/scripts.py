@@ -14,6 +14,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
@@ -69,7 +70,20 @@ class Script:
             return list(await pipe.execute(raise_on_error=False))
 
 
+def run_sync(client: SyncRedis, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
+    """``Script.__call__`` for a synchronous client (the trainer's submit path runs beside rq,
+    which is synchronous)."""
+    try:
+        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+    except NoScriptError:
+        client.script_load(script.text)
+        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+
+
 APPEND = Script("append")
 PUBLISH_WEIGHTS = Script("publish_weights")
 RELEASE_LEASE = Script("release_lease")
 QUARANTINE_LEASE = Script("quarantine_lease")
+CREATE_BATCH = Script("create_batch")
+ACK = Script("ack")
+STATS = Script("stats")

@@ -16,6 +16,11 @@ from statemachine import (
     CodecError,
     CorruptRecord,
     Event,
+    Failed,
+    FailureClass,
+    GroupPolicy,
+    InvalidEvent,
+    Membership,
     Started,
     Submitted,
     TokensAppended,
@@ -207,11 +212,11 @@ def test_v1_records_load_with_the_queue_and_model_they_could_not_record() -> Non
     # A v1 snapshot head (13 fields, no model) decodes with the model unknown.
     first = apply(None, f.submitted("r"))
     state = apply(first, f.started(first))
-    v2 = msgpack.unpackb(codec.encode_snapshot(state)[5:])
-    assert v2[0] == codec.SNAPSHOT_SCHEMA == 2 and len(v2) == 14
+    v3 = msgpack.unpackb(codec.encode_snapshot(state)[5:])
+    assert v3[0] == codec.SNAPSHOT_SCHEMA == 3 and len(v3) == 15
     import zlib
 
-    body = msgpack.packb([1, *v2[1:13]], use_bin_type=True)
+    body = msgpack.packb([1, *v3[1:13]], use_bin_type=True)
     v1 = b"S" + zlib.crc32(body).to_bytes(4, "little") + body
     old = codec.decode_snapshot(v1, f.submitted("r"))
     assert old.model == "" and old.seq == state.seq and old.status == state.status
@@ -227,3 +232,59 @@ def test_queue_and_model_round_trip() -> None:
     state = apply(state, begin)
     back = codec.decode_snapshot(codec.encode_snapshot(state), sub)
     assert (back.queue, back.model) == ("qk", "qwen3:abc")
+
+
+def _forge_snapshot(fields: list[object]) -> bytes:
+    import zlib
+
+    body = msgpack.packb(fields, use_bin_type=True)
+    return b"S" + zlib.crc32(body).to_bytes(4, "little") + body
+
+
+def test_v2_records_load_without_a_batch_and_with_a_failure_class() -> None:
+    # Records written before batches and failure classes (issue 13) still load: the rollout
+    # belongs to no batch, is a group of one, and its failure class is inferred from its error.
+    request = f.request().to_dict()
+    fields = {"request": request, "admitted_version": 0, "queue": "q"}
+    sub = codec.decode(_forge(["submitted", 2, "r", 1, 0.0, fields]))
+    assert isinstance(sub, Submitted) and sub.membership == Membership()
+    assert sub.membership.batch_id == "" and sub.membership.group_size == 1
+    for error, failure in (("unreadable record: crc", FailureClass.UNREADABLE),
+                           ("boom", FailureClass.ENGINE_ERROR)):  # fmt: skip
+        old = codec.decode(_forge(["failed", 1, "r", 3, 0.0, {"error": error, "attempts": 3}]))
+        assert isinstance(old, Failed) and old.failure is failure
+    state = apply(None, sub)
+    state = apply(state, Failed(rollout_id="r", seq=2, error="unreadable record: x", attempts=0,
+                                failure=FailureClass.UNREADABLE))  # fmt: skip
+    v3 = msgpack.unpackb(codec.encode_snapshot(state)[5:])
+    v2 = _forge_snapshot([2, *v3[1:14]])
+    assert codec.decode_snapshot(v2, sub).failure is FailureClass.UNREADABLE
+
+
+def test_membership_and_failure_round_trip() -> None:
+    m = Membership(batch_id="b", group_index=3, sample_index=1, group_size=4,
+                   group_policy=GroupPolicy.GROUP)  # fmt: skip
+    sub = Submitted(rollout_id="b.3.1", seq=1, request=f.request(), membership=m)
+    assert codec.decode(codec.encode(sub)) == sub
+    state = apply(None, sub)
+    failed = Failed(rollout_id="b.3.1", seq=2, error="prompt too long", attempts=0,
+                    failure=FailureClass.REQUEST_ERROR)  # fmt: skip
+    assert codec.decode(codec.encode(failed)) == failed
+    state = apply(state, failed)
+    back = codec.decode_snapshot(codec.encode_snapshot(state), sub)
+    assert back.membership == m and back.failure is FailureClass.REQUEST_ERROR
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"group_size": 0},
+        {"sample_index": 4, "group_size": 4},
+        {"group_index": -1},
+        {"batch_id": 5},
+        {"group_policy": "all"},
+    ],
+)
+def test_impossible_membership_is_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises((InvalidEvent, ValueError)):
+        Membership(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,110 @@
+"""Ending rollouts from outside a worker: cancel, and acknowledge (delete) ended ones.
+
+Cancel appends ``Cancelled``. A pending or aborted rollout ends at once. A live one ends too:
+``Cancelled`` takes the sequence number after its last checkpoint and fences its attempt, so
+its worker learns of it from Redis at its next checkpoint (the append is refused as stale),
+stops generating it, and keeps nothing it had not saved. The tokens already saved stay in the
+log and come back with the result.
+
+Acknowledge deletes an ended rollout's log, snapshot, completion entry and rq job in one
+script (``lua/ack.lua``); a rollout that has not ended is never deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from statemachine import RolloutState, commands
+from store import scripts
+from store.errors import AppendRefused, RolloutNotFound, SequenceConflict, StoreError
+from store.event_store import HEAD, SUBMITTED, EventStore
+
+# Appends of a cancel that lose a race with the rollout's worker (its checkpoint took the
+# sequence number) are redone on the new state; a worker checkpoints at most a few times a
+# second per rollout, so a handful of rounds always suffice.
+CANCEL_ROUNDS = 20
+
+
+class RolloutEnded(StoreError, ValueError):
+    """The rollouts named have ended already (done, failed or cancelled): nothing changed."""
+
+    def __init__(self, ended: dict[str, str]) -> None:
+        shown = ", ".join(f"{rid} ({status})" for rid, status in list(ended.items())[:5])
+        super().__init__(f"{len(ended)} rollout(s) have ended and cannot be cancelled: {shown}")
+        self.ended = ended
+
+
+@dataclass(frozen=True, slots=True)
+class AckReport:
+    acked: list[str] = field(default_factory=list)
+    live: list[str] = field(default_factory=list)  # not ended: kept
+    missing: list[str] = field(default_factory=list)  # acknowledged or expired before
+
+
+async def heads(store: EventStore, ids: Sequence[str]) -> list[RolloutState | Exception]:
+    """Each rollout's state without token data, one result per id, in one round trip."""
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for rid in ids:
+            pipe.hmget(store.keys.snapshot(rid), [HEAD, SUBMITTED])
+        found = await pipe.execute()
+    out: list[RolloutState | Exception] = []
+    for rid, (head, sub) in zip(ids, found, strict=True):
+        try:
+            if head is None or sub is None:
+                raise RolloutNotFound(rid)
+            out.append(store.decode_head(rid, head, sub))
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
+async def cancel(
+    store: EventStore, ids: Sequence[str], reason: str, *, refuse_ended: bool
+) -> list[str]:
+    """Cancel every rollout of ``ids`` that has not ended; returns the ids cancelled.
+
+    ``refuse_ended``: raise ``RolloutEnded`` (cancelling nothing) if one of them has ended;
+    otherwise ended ones are skipped. Missing ids raise ``RolloutNotFound``."""
+    states = await heads(store, ids)
+    ended = {}
+    for rid, s in zip(ids, states, strict=True):
+        if isinstance(s, Exception):
+            raise s
+        if s.terminal:
+            ended[rid] = s.status.value
+    if ended and refuse_ended:
+        raise RolloutEnded(ended)
+    todo = [s for s in states if isinstance(s, RolloutState) and not s.terminal]
+    cancelled: list[str] = []
+    for _ in range(CANCEL_ROUNDS):
+        if not todo:
+            return cancelled
+        results = await store.append_many([(s, [commands.cancel(s, reason)]) for s in todo])
+        retry = []
+        for s, result in zip(todo, results, strict=True):
+            if isinstance(result, RolloutState):
+                cancelled.append(s.rollout_id)
+            elif isinstance(result, SequenceConflict):
+                retry.append(s.rollout_id)
+            elif not isinstance(result, AppendRefused):
+                raise result
+        fresh = await heads(store, retry)
+        todo = [s for s in fresh if isinstance(s, RolloutState) and not s.terminal]
+    raise StoreError(f"could not cancel {len(todo)} rollout(s) in {CANCEL_ROUNDS} rounds")
+
+
+async def ack(store: EventStore, ids: Sequence[str], batches: Sequence[str]) -> AckReport:
+    """Delete the ended rollouts of ``ids`` (``batches[i]`` is the batch of ``ids[i]``)."""
+    keys = store.keys
+    calls = [
+        ((*keys.rollout(rid), keys.completions(batch)), ["rq:"])
+        for rid, batch in zip(ids, batches, strict=True)
+    ]
+    replies = await scripts.ACK.many(store.redis, calls) if calls else []
+    report = AckReport()
+    for rid, reply in zip(ids, replies, strict=True):
+        {b"ok": report.acked, b"live": report.live, b"missing": report.missing}[reply[0]].append(
+            rid
+        )
+    return report

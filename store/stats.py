@@ -1,0 +1,109 @@
+"""What a trainer or an operator sees of the whole deployment, without scanning a key.
+
+Rollouts by state are counters kept by the append script itself (``lua/append.lua``), in the
+same atomic step as each transition, so they never drift from the logs: live states
+(pending, generating, aborted, resumed) count the rollouts in them now; terminal states count
+every rollout that ever ended so. Workers publish a heartbeat (``beat``) with their in-flight
+count and weight version; queue depths are rq's lists. ``read_stats`` gets all of it in one round
+trip.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from redis.asyncio import Redis
+
+from statemachine import Status
+from store import scripts
+from store.keys import Keys
+
+# A worker whose last heartbeat is older than this is not counted as live (it beats every
+# HEARTBEAT_S; a dead one's entry is removed by the next reaper pass, see ``prune``).
+WORKER_STALE_S = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerBeat:
+    worker_id: str
+    in_flight: int
+    weight_version: int | None
+    queues: tuple[str, ...]
+    model: str
+    at: float = field(default_factory=time.time)
+
+    def encode(self) -> bytes:
+        packed: bytes = msgpack.packb(
+            [self.in_flight, self.weight_version, list(self.queues), self.model, self.at],
+            use_bin_type=True,
+        )
+        return packed
+
+    @classmethod
+    def decode(cls, worker_id: str, raw: bytes) -> WorkerBeat:
+        in_flight, version, queues, model, at = msgpack.unpackb(raw)
+        return cls(worker_id, in_flight, version, tuple(queues), model, at)
+
+    def age_s(self, now: float | None = None) -> float:
+        return (now if now is not None else time.time()) - self.at
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    by_state: dict[Status, int]  # live states: now; terminal states: ever
+    tokens: int  # tokens ever appended (regenerated ones after a crash are counted again)
+    queues: dict[str, int]  # rq queue -> jobs waiting
+    workers: list[WorkerBeat]  # live ones (heartbeat younger than WORKER_STALE_S)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.by_state[s] for s in (Status.GENERATING, Status.RESUMED))
+
+
+async def beat(redis: Redis, keys: Keys, heartbeat: WorkerBeat) -> None:
+    await redis.hset(keys.workers(), heartbeat.worker_id, heartbeat.encode())  # type: ignore[misc,arg-type]
+
+
+async def remove(redis: Redis, keys: Keys, worker_id: str) -> None:
+    await redis.hdel(keys.workers(), worker_id)  # type: ignore[misc]
+
+
+async def read_stats(redis: Redis, keys: Keys) -> Stats:
+    counters, beats, queues = await scripts.STATS(redis, [keys.stats(), keys.workers()], ["rq:"])
+    values = _pairs(counters)
+    by_state = {s: int(values.get(s.value, 0)) for s in Status}
+    now = time.time()
+    workers = [WorkerBeat.decode(k.decode(), v) for k, v in _pairs_raw(beats)]
+    return Stats(
+        by_state=by_state,
+        tokens=int(values.get("tokens", 0)),
+        queues={k: int(v) for k, v in _pairs(queues).items()},
+        workers=sorted(
+            (w for w in workers if w.age_s(now) <= WORKER_STALE_S), key=lambda w: w.worker_id
+        ),
+    )
+
+
+async def prune(redis: Redis, keys: Keys, older_than_s: float = WORKER_STALE_S) -> list[str]:
+    """Drop the heartbeats of workers gone quiet (killed ones never remove their own)."""
+    now = time.time()
+    beats: dict[bytes, bytes] = await redis.hgetall(keys.workers())  # type: ignore[misc]
+    stale = [
+        k.decode()
+        for k, v in beats.items()
+        if WorkerBeat.decode(k.decode(), v).age_s(now) > older_than_s
+    ]
+    if stale:
+        await redis.hdel(keys.workers(), *stale)  # type: ignore[misc]
+    return stale
+
+
+def _pairs_raw(flat: list[Any]) -> list[tuple[Any, Any]]:
+    return list(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _pairs(flat: list[Any]) -> dict[str, Any]:
+    return {(k.decode() if isinstance(k, bytes) else k): v for k, v in _pairs_raw(flat)}
