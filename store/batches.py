@@ -96,6 +96,7 @@ def record(
     """Record ``submission`` and enqueue its new rollouts (blocking: rq is synchronous)."""
     keys = store.keys
     events = submission.events
+    _check_batch(conn, keys, submission)
     new = _new_rollouts(conn, keys, events, chunk)
     ids_field = msgpack.packb(submission.ids) if named_ids else b""
     reply = scripts.run_sync(
@@ -105,10 +106,8 @@ def record(
         [submission.batch_id, submission.fingerprint, len(events) // submission.group_size,
          submission.group_size, ids_field, queue.name, retention_s, repr(time.time())],
     )  # fmt: skip
-    if reply == b"different":
-        raise BatchConflict(
-            f"batch {submission.batch_id!r} was submitted with other requests; nothing written"
-        )
+    if reply == b"different":  # recorded by a racing submit since the check
+        raise _conflict(submission)
     raced: list[RolloutExists] = []
     for start in range(0, len(new), chunk):
         raced += _record_chunk(conn, queue, store, new[start : start + chunk])
@@ -116,6 +115,18 @@ def record(
         # Another writer took an id between the lookup and the write: those ids hold its
         # rollouts; everything else of this submission is recorded and enqueued.
         raise raced[0]
+
+
+def _check_batch(conn: Redis, keys: Keys, submission: Submission) -> None:
+    recorded = conn.hget(keys.batch(submission.batch_id), "fp")
+    if recorded is not None and recorded.decode() != submission.fingerprint:  # type: ignore[union-attr]
+        raise _conflict(submission)
+
+
+def _conflict(submission: Submission) -> BatchConflict:
+    return BatchConflict(
+        f"batch {submission.batch_id!r} was submitted with other requests; nothing written"
+    )
 
 
 def _new_rollouts(

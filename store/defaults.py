@@ -22,6 +22,7 @@ CHECKPOINT_GATHER_S = 0.02
 # engine's error. Aborts for weight updates, shutdowns, lost workers or a dead engine core do not
 # count: they are not the rollout's fault.
 MAX_ENGINE_ATTEMPTS = 3
+MAX_WORKER_LOST = 5  # workers lost under one rollout (lapsed leases, takeovers) before it fails
 
 # -- leases -------------------------------------------------------------------------------------
 # A generating rollout is leased to its worker for LEASE_TTL_S; the worker renews all its leases

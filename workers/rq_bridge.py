@@ -22,6 +22,7 @@ from rq.exceptions import DequeueTimeout, InvalidJobOperation
 from rq.executions import Execution
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
+from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
@@ -30,7 +31,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from store import defaults
 from store.connection import connect_sync
 from store.errors import InvalidRolloutId
-from store.keys import check_rollout_id
+from store.keys import Keys, check_rollout_id
 from store.queue import JOB_FUNC, rollout_queue
 
 T = TypeVar("T")
@@ -95,8 +96,10 @@ class RqBridge:
         name: str,
         *,
         execution_ttl_s: float = defaults.RQ_EXECUTION_TTL_S,
+        keys: Keys | None = None,
     ) -> None:
         self.connection = connect_sync(url)
+        self.keys = keys or Keys()
         self.queues = [rollout_queue(self.connection, n) for n in queue_names]
         self.worker = InProcessWorker(
             self.queues,
@@ -157,6 +160,11 @@ class RqBridge:
                 pipe.persist(job.key)
                 if len(self.queues) == 1:
                     pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                # A sweep that caught the job between the pop and this start marked it
+                # (``_requeue_stuck_dequeues``); started, it is not stuck: the mark would
+                # otherwise stay for rq's 24 h.
+                pipe.delete(IntermediateQueue(queue.key, connection=self.connection)
+                            .get_first_seen_key(job.id))  # fmt: skip
                 pipe.execute()
             w.executions[execution.id] = execution
             return TakenJob(job, queue, execution)
@@ -188,8 +196,20 @@ class RqBridge:
                 r.job, r.queue, r.queue.started_job_registry, r.execution
             )
             self._idle_if_empty()
+            # The trainer may acknowledge the rollout (deleting its job) as soon as it ended,
+            # before this ran; rq's success just wrote the job and its result anew. Checked
+            # after the write, so an ack before it is seen here and one after it deleted what
+            # was written: either way nothing of an acknowledged rollout stays behind.
+            if r.rollout_id and not self.connection.exists(self.keys.snapshot(r.rollout_id)):
+                self._delete_job(r)
 
         await self._finish(r, done, even_if_failed=True)
+
+    def _delete_job(self, r: TakenJob) -> None:
+        with self.connection.pipeline() as pipe:
+            pipe.delete(r.job.key, Result.get_key(r.job.id))
+            pipe.zrem(r.queue.finished_job_registry.key, r.job.id)
+            pipe.execute()
 
     async def fail(self, r: TakenJob, error: str) -> None:
         def done() -> None:
@@ -284,6 +304,11 @@ class RqBridge:
         for job_id in stuck:
             if job_id in live:
                 continue
+            if not self.connection.exists(Job.key_for(job_id)):
+                # Its job was deleted (its rollout acknowledged while the job still waited):
+                # rq's dequeue skipped it but left it here. Nothing to run: drop it.
+                self.connection.lrem(intermediate.key, 1, job_id)
+                continue
             intermediate.set_first_seen(job_id)  # NX: the first sweep that saw it
             seen = intermediate.get_first_seen(job_id)
             if seen is None or (now() - seen).total_seconds() < self.worker.execution_ttl:
@@ -312,6 +337,14 @@ class RqBridge:
             ours = score is not None and status == b"started"
             if ours or (status == b"failed" and even_if_failed):
                 fn()
+            elif status is None:
+                # The job is gone: the trainer acknowledged its rollout (store/lua/ack.lua
+                # deletes the job) before this bookkeeping ran. Only our execution's records
+                # are left to remove; recording a result would recreate what ack deleted.
+                with self.connection.pipeline() as pipe:
+                    self.worker.cleanup_execution(r.job, pipeline=pipe, execution=r.execution)
+                    pipe.execute()
+                self._idle_if_empty()
 
         await self._books(guarded)
         # Only once rq has it: until then the heartbeat keeps the execution alive, so a call

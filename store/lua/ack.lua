@@ -1,4 +1,5 @@
 -- Acknowledge one ended rollout: delete its keys, its completion entry and its rq job.
+-- (rq's key layout is relied on here: job:<id>, results:<id>, <registry>:<queue>.)
 --
 -- KEYS[1]  the rollout's log     KEYS[2]  its snapshot     KEYS[3]  its batch's completions
 -- ARGV[1]  rq's key prefix for the job and its registries ("rq:")
@@ -20,8 +21,15 @@ end
 local job = snap[3]
 if job then
   local jkey = ARGV[1] .. 'job:' .. job
-  local origin = redis.call('HGET', jkey, 'origin')
-  redis.call('DEL', jkey, ARGV[1] .. 'results:' .. job)
+  local job_fields = redis.call('HMGET', jkey, 'origin', 'status')
+  local origin = job_fields[1]
+  -- A job still started is its worker's to end: the rollout ended a moment ago and the
+  -- worker's rq bookkeeping has not run yet. That worker, finding the rollout gone, deletes
+  -- the job then (workers/rq_bridge.py); deleting it here would have its heartbeat and its
+  -- success write it back.
+  if job_fields[2] == 'started' then origin = nil else
+    redis.call('DEL', jkey, ARGV[1] .. 'results:' .. job)
+  end
   if origin then
     for _, registry in ipairs({'finished', 'failed', 'canceled'}) do
       redis.call('ZREM', ARGV[1] .. registry .. ':' .. origin, job)

@@ -1,0 +1,270 @@
+"""Submitting: batches and groups, idempotency, nothing stranded, nothing written when refused.
+
+On a real redis-server: the client's submit is a MULTI/EXEC of Lua appends and rq's own
+enqueue commands, which is what these tests are about."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis.asyncio as aredis
+from rq import Queue
+
+from statemachine import (
+    GroupPolicy,
+    InvalidRequest,
+    Membership,
+    RolloutRequest,
+    SamplingParams,
+    Status,
+)
+from store import InvalidRolloutId, RolloutExists, batches
+from store.client import BatchConflict, RolloutClient
+from store.redis_server import RedisServer
+from store.submission import ChatRequest
+from tests import factories as f
+from tests.store.trainer import dump
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer, real_redis: aredis.Redis) -> AsyncIterator[RolloutClient]:
+    c = RolloutClient(redis_server.url)
+    yield c
+    await c.aclose()
+
+
+def queued(client: RolloutClient) -> list[str]:
+    """The rollout ids of the jobs waiting in the client's queue, in queue order."""
+    q: Queue = client._queue
+    return [job.kwargs["rollout_id"] for job in q.get_jobs()]
+
+
+async def test_a_retried_submit_with_named_ids_returns_them_and_enqueues_nothing_new(
+    client: RolloutClient,
+) -> None:
+    # Issue 13 (a): the old submit stamped a new time into each retry's record, so the
+    # retry's append conflicted and raised RolloutExists.
+    r = f.request()
+    first = await client.submit([r], ids=["x"])
+    again = await client.submit([r], ids=["x"])
+    assert list(first) == list(again) == ["x"]
+    assert first.batch_id == again.batch_id
+    assert queued(client) == ["x"]
+    assert await client.statuses(["x"]) == ["pending"]
+
+
+async def test_an_existing_id_refuses_the_whole_submit_and_writes_nothing(
+    client: RolloutClient, real_redis: aredis.Redis
+) -> None:
+    # Issue 13 (b): the old submit wrote n1 and n2 as pending, then raised before enqueueing
+    # them: pending forever, with no job.
+    await client.submit([f.request(max_tokens=5)], ids=["x"])
+    before = await dump(real_redis)
+    with pytest.raises(RolloutExists, match="'x'"):
+        await client.submit([f.request()] * 3, ids=["n1", "x", "n2"])
+    assert await dump(real_redis) == before
+    assert queued(client) == ["x"]
+
+
+async def test_a_rollout_is_the_same_only_in_the_same_place_of_the_same_batch(
+    client: RolloutClient,
+) -> None:
+    r = f.request()
+    await client.submit([r], ids=["x"], batch_id="b1")
+    # x again, with the same request, in a grown submission: under b1 that is another
+    # submission than the recorded one; under b2, x would be the second prompt of another
+    # batch, which is another rollout than the one recorded. Both refused.
+    with pytest.raises(BatchConflict):
+        await client.submit([r] * 3, ids=["n1", "x", "n2"], batch_id="b1")
+    with pytest.raises(RolloutExists):
+        await client.submit([r] * 3, ids=["n1", "x", "n2"], batch_id="b2")
+    # The same ids and requests under the first batch id, in the same places: a retry.
+    await client.submit([r], ids=["x"], batch_id="b1")
+    # A different submission under a recorded batch id, with new ids: refused by the batch.
+    with pytest.raises(BatchConflict):
+        await client.submit([r], ids=["y"], batch_id="b1")
+    assert queued(client) == ["x"]
+
+
+async def test_a_duplicate_id_within_one_call_is_refused(
+    client: RolloutClient, real_redis: aredis.Redis
+) -> None:
+    before = await dump(real_redis)
+    with pytest.raises(InvalidRequest, match="more than once"):
+        await client.submit([f.request()] * 2, ids=["d", "d"])
+    assert await dump(real_redis) == before
+
+
+async def test_groups_are_recorded_with_their_batch_and_sample(client: RolloutClient) -> None:
+    prompts = [f.request(prompt=(1, 2)), f.request(prompt=(3, 4, 5))]
+    batch = await client.submit(prompts, n=3, batch_id="step-1", group_policy="group")
+    assert list(batch) == [f"step-1.{g}.{s}" for g in range(2) for s in range(3)]
+    assert batch.groups() == [list(batch[:3]), list(batch[3:])]
+    state = await client.store.load("step-1.1.2")
+    assert state.membership == Membership(batch_id="step-1", group_index=1, sample_index=2,
+                                          group_size=3, group_policy=GroupPolicy.GROUP)  # fmt: skip
+    assert state.request.prompt_token_ids == (3, 4, 5)
+    assert state.request.group_id == "step-1.1"
+    assert queued(client) == list(batch)
+    info = await client.batch("step-1")
+    assert (info.groups, info.group_size, info.ids) == (2, 3, list(batch))
+    assert await client.batches() == ["step-1"]
+
+
+async def test_a_retried_batch_returns_the_same_ids_and_a_different_one_is_refused(
+    client: RolloutClient, real_redis: aredis.Redis
+) -> None:
+    prompts = [f.request(), f.request(prompt=(9,))]
+    first = await client.submit(prompts, n=2, batch_id="b")
+    again = await client.submit(prompts, n=2, batch_id="b")
+    assert list(first) == list(again) and len(queued(client)) == 4
+    before = await dump(real_redis)
+    with pytest.raises(BatchConflict, match="'b'"):
+        await client.submit(prompts, n=3, batch_id="b")
+    with pytest.raises(BatchConflict):
+        await client.submit([f.request(max_tokens=7)], batch_id="b")
+    assert await dump(real_redis) == before
+
+
+async def test_per_prompt_sampling_metadata_and_numpy_ids(client: RolloutClient) -> None:
+    prompts = [
+        RolloutRequest(prompt_token_ids=np.array([5, 6], np.int64),
+                       sampling=SamplingParams(max_tokens=1), metadata={"task": "math", "k": 1}),
+        RolloutRequest(prompt_token_ids=[np.int32(7)], sampling=SamplingParams(max_tokens=1)),
+    ]  # fmt: skip
+    sampling = [SamplingParams(max_tokens=3, temperature=0.0), SamplingParams(max_tokens=5)]
+    batch = await client.submit(prompts, sampling=sampling)
+    a, b = await client.store.load(batch[0]), await client.store.load(batch[1])
+    assert (a.request.sampling.max_tokens, b.request.sampling.max_tokens) == (3, 5)
+    assert a.request.prompt_token_ids == (5, 6) and a.request.metadata == {"task": "math", "k": 1}
+
+
+class _Templater:
+    """A chat template as a tokenizer applies it: fixed ids per role, then the content's."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> list[int]:
+        assert kwargs == {"add_generation_prompt": True, "tokenize": True}
+        ids = []
+        for m in conversation:
+            ids += [1 if m["role"] == "user" else 2, *[ord(c) % 50 for c in m["content"]]]
+        return [*ids, 3]
+
+
+async def test_chat_messages_are_templated_at_submit(redis_server: RedisServer) -> None:
+    client = RolloutClient(redis_server.url, tokenizer=_Templater())  # type: ignore[arg-type]
+    try:
+        chat = ChatRequest(messages=[{"role": "user", "content": "hi"}], metadata={"id": 7})
+        batch = await client.submit([chat], sampling=SamplingParams(max_tokens=4))
+        state = await client.store.load(batch[0])
+        assert state.request.prompt_token_ids == (1, ord("h") % 50, ord("i") % 50, 3)
+        assert state.request.metadata == {"id": 7}
+    finally:
+        await client.aclose()
+    no_tokenizer = RolloutClient(redis_server.url)
+    try:
+        with pytest.raises(InvalidRequest, match="tokenizer"):
+            await no_tokenizer.submit([chat], sampling=SamplingParams(max_tokens=4))
+    finally:
+        await no_tokenizer.aclose()
+
+
+async def test_ten_thousand_rollouts_take_a_bounded_number_of_transactions(
+    client: RolloutClient, real_redis: aredis.Redis
+) -> None:
+    await real_redis.config_resetstat()
+    batch = await client.submit([f.request()] * 2500, n=4)
+    assert len(batch) == 10_000
+    info = await real_redis.info("commandstats")
+    # One MULTI/EXEC per 1,000 rollouts; one pipelined lookup per 1,000 ids.
+    assert info["cmdstat_exec"]["calls"] == 10
+    # The lookups (10 pipelines of 1,000), plus the batch checks (commandstats counts the
+    # commands that scripts run too).
+    assert 10_000 <= info["cmdstat_hget"]["calls"] <= 10_002
+    assert len(queued(client)) == 10_000
+
+
+async def test_a_failure_between_chunks_strands_nothing_and_a_retry_completes(
+    client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = batches._record_chunk
+    calls = {"n": 0}
+
+    def flaky(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ConnectionError("Redis went away between chunks")
+        return real(*args)
+
+    monkeypatch.setattr(batches, "_record_chunk", flaky)
+    prompts = [f.request()] * 5
+    with pytest.raises(ConnectionError):
+        await client.submit(prompts, n=600, batch_id="big")  # 3,000 rollouts: 3 chunks
+    recorded = [rid for rid in (await client.batch("big")).ids if await client.store.exists(rid)]
+    # Every recorded rollout has its job, and nothing else has one.
+    assert len(recorded) == 1000 and sorted(queued(client)) == sorted(recorded)
+    monkeypatch.setattr(batches, "_record_chunk", real)
+    batch = await client.submit(prompts, n=600, batch_id="big")
+    assert sorted(queued(client)) == sorted(batch) and len(batch) == 3000
+
+
+BAD: list[tuple[str, Any, str]] = [
+    ("empty prompt", lambda: [f.request(prompt=())], "prompt_token_ids"),
+    ("negative id", lambda: [f.request(prompt=(1, -1))], "prompt_token_ids"),
+    ("float id", lambda: [f.request(prompt=(1, 2.0))], "prompt_token_ids"),
+    ("max_tokens 0", lambda: [f.request(max_tokens=0)], "max_tokens"),
+    ("max_tokens over cap", lambda: [f.request(max_tokens=2**21)], "max_tokens"),
+    ("temperature inf", lambda: [f.request(temperature=float("inf"))], "temperature"),
+    ("temperature nan", lambda: [f.request(temperature=float("nan"))], "temperature"),
+    ("top_p 2", lambda: [f.request(top_p=2.0)], "top_p"),
+    ("seed 2**64", lambda: [f.request(seed=2**64)], "seed"),
+    ("stop None", lambda: [f.request(stop=None)], "stop"),
+    ("stop_token_ids 5", lambda: [f.request(stop_token_ids=5)], "stop_token_ids"),
+    ("top-k logprobs", lambda: [f.request(logprobs=3)], "logprobs"),
+    ("big metadata", lambda: [RolloutRequest(prompt_token_ids=(1,), sampling=SamplingParams(
+        max_tokens=1), metadata={"x": "y" * 5000})], "metadata"),  # fmt: skip
+    ("no prompts", lambda: [], "prompts"),
+    ("not a request", lambda: [{"prompt_token_ids": [1]}], "prompts[0]"),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "field"), BAD, ids=[b[0] for b in BAD])
+async def test_bad_input_is_refused_naming_the_field_and_writes_nothing(
+    client: RolloutClient, real_redis: aredis.Redis, name: str, make: Any, field: str
+) -> None:
+    await client.submit([f.request()], batch_id="existing")  # something to leave untouched
+    before = await dump(real_redis)
+    with pytest.raises(InvalidRequest, match=field.replace("[", r"\[").replace("]", r"\]")):
+        await client.submit(make())
+    assert await dump(real_redis) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"n": 0}, InvalidRequest, "n must"),
+        ({"n": True}, InvalidRequest, "n must"),
+        ({"batch_id": "a:b"}, InvalidRolloutId, "batch id"),
+        ({"batch_id": "{tag}"}, InvalidRolloutId, "batch id"),
+        ({"ids": ["a b"]}, InvalidRolloutId, "rollout id"),
+        ({"ids": ["a", "b"]}, InvalidRequest, "ids must name 1"),
+        ({"group_policy": "all"}, InvalidRequest, "group_policy"),
+        ({"sampling": [SamplingParams(max_tokens=1)] * 2}, InvalidRequest, "sampling"),
+    ],
+)
+async def test_bad_submit_arguments_are_refused_and_write_nothing(
+    client: RolloutClient, real_redis: aredis.Redis, kwargs: dict[str, Any], error: type,
+    match: str,
+) -> None:  # fmt: skip
+    before = await dump(real_redis)
+    with pytest.raises(error, match=match):
+        await client.submit([f.request()], **kwargs)
+    assert await dump(real_redis) == before
+
+
+async def test_submitted_rollouts_count_as_pending(client: RolloutClient) -> None:
+    await client.submit([f.request()] * 3, n=2)
+    stats = await client.stats()
+    assert stats.by_state[Status.PENDING] == 6 and stats.queues == {"rollouts": 6}
