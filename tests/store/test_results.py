@@ -22,7 +22,9 @@ from tests.store.trainer import checkpoint, dump, finish, start
 
 
 @pytest.fixture
-async def client(redis_server: RedisServer, real_redis: aredis.Redis) -> AsyncIterator[RolloutClient]:
+async def client(
+    redis_server: RedisServer, real_redis: aredis.Redis
+) -> AsyncIterator[RolloutClient]:
     c = RolloutClient(redis_server.url)
     yield c
     await c.aclose()

@@ -30,7 +30,9 @@ from tests.store.trainer import dump
 
 
 @pytest.fixture
-async def client(redis_server: RedisServer, real_redis: aredis.Redis) -> AsyncIterator[RolloutClient]:
+async def client(
+    redis_server: RedisServer, real_redis: aredis.Redis
+) -> AsyncIterator[RolloutClient]:
     c = RolloutClient(redis_server.url)
     yield c
     await c.aclose()
@@ -210,6 +212,12 @@ async def test_a_failure_between_chunks_strands_nothing_and_a_retry_completes(
     assert sorted(queued(client)) == sorted(batch) and len(batch) == 3000
 
 
+def _with_metadata(metadata: dict[str, Any]) -> RolloutRequest:
+    return RolloutRequest(
+        prompt_token_ids=(1,), sampling=SamplingParams(max_tokens=1), metadata=metadata
+    )
+
+
 BAD: list[tuple[str, Any, str]] = [
     ("empty prompt", lambda: [f.request(prompt=())], "prompt_token_ids"),
     ("negative id", lambda: [f.request(prompt=(1, -1))], "prompt_token_ids"),
@@ -223,8 +231,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("stop None", lambda: [f.request(stop=None)], "stop"),
     ("stop_token_ids 5", lambda: [f.request(stop_token_ids=5)], "stop_token_ids"),
     ("top-k logprobs", lambda: [f.request(logprobs=3)], "logprobs"),
-    ("big metadata", lambda: [RolloutRequest(prompt_token_ids=(1,), sampling=SamplingParams(
-        max_tokens=1), metadata={"x": "y" * 5000})], "metadata"),  # fmt: skip
+    ("big metadata", lambda: [_with_metadata({"x": "y" * 5000})], "metadata"),
     ("no prompts", lambda: [], "prompts"),
     ("not a request", lambda: [{"prompt_token_ids": [1]}], "prompts[0]"),
 ]
