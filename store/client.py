@@ -153,11 +153,25 @@ class RolloutClient:
 
     # -- results ------------------------------------------------------------------------------
     async def results(
-        self, batch_id: str, *, after: str = completions.START, timeout: float | None = None
+        self,
+        batch_id: str,
+        *,
+        after: str = completions.START,
+        take: int | None = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[RolloutResult]:
         """Each rollout of the batch as it ends (done, failed or cancelled), in the order
         they ended, until all have been delivered. ``after`` resumes after a result's
-        ``position``; rollouts acknowledged before they were delivered are skipped."""
+        ``position``; rollouts acknowledged before they were delivered are skipped.
+        ``take=k``: the rollouts of the first ``k`` groups to finish, a group at a time, and
+        the rest of the batch is cancelled (see ``groups``)."""
+        if take is not None:
+            if after != completions.START:
+                raise ValueError("take counts groups from the start of the batch: no after")
+            async for group in self.groups(batch_id, take=take, timeout=timeout):
+                for r in group.results:
+                    yield r
+            return
         info = await self.batch(batch_id)
         wanted = set(info.ids) - await completions.delivered_before(
             self.redis, self.keys, batch_id, after

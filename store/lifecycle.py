@@ -12,6 +12,8 @@ script (``lua/ack.lua``); a rollout that has not ended is never deleted.
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,9 +23,10 @@ from store.errors import AppendRefused, RolloutNotFound, SequenceConflict, Store
 from store.event_store import HEAD, SUBMITTED, EventStore
 
 # Appends of a cancel that lose a race with the rollout's worker (its checkpoint took the
-# sequence number) are redone on the new state; a worker checkpoints at most a few times a
-# second per rollout, so a handful of rounds always suffice.
-CANCEL_ROUNDS = 20
+# sequence number) are redone on the new state, after a short jittered pause; a worker
+# checkpoints a rollout at most a few times a second, so a few rounds suffice.
+CANCEL_ROUNDS = 30
+CANCEL_BACKOFF_S = (0.001, 0.05)
 
 
 class RolloutEnded(StoreError, ValueError):
@@ -77,6 +80,7 @@ async def cancel(
         raise RolloutEnded(ended)
     todo = [s for s in states if isinstance(s, RolloutState) and not s.terminal]
     cancelled: list[str] = []
+    delay = CANCEL_BACKOFF_S[0]
     for _ in range(CANCEL_ROUNDS):
         if not todo:
             return cancelled
@@ -89,6 +93,9 @@ async def cancel(
                 retry.append(s.rollout_id)
             elif not isinstance(result, AppendRefused):
                 raise result
+        if retry:
+            await asyncio.sleep(random.uniform(0, delay))
+            delay = min(CANCEL_BACKOFF_S[1], delay * 2)
         fresh = await heads(store, retry)
         todo = [s for s in fresh if isinstance(s, RolloutState) and not s.terminal]
     raise StoreError(f"could not cancel {len(todo)} rollout(s) in {CANCEL_ROUNDS} rounds")

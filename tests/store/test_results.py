@@ -161,6 +161,9 @@ async def test_cancel_wins_a_race_with_the_workers_checkpoints(client: RolloutCl
                 state = await checkpoint(client.store, state, 1)
             except StaleAttempt:
                 return
+            # 1,000 checkpoints a second: far above a real worker's (one per 16 tokens or
+            # 0.25 s per rollout), yet the cancel must get through.
+            await asyncio.sleep(0.001)
 
     task = asyncio.create_task(worker())
     await asyncio.sleep(0.05)
@@ -240,3 +243,38 @@ async def test_stats_count_states_and_tokens_in_one_round_trip(
     }  # fmt: skip
     assert stats.tokens == 7 and stats.in_flight == 1
     assert stats.queues == {"rollouts": 5}  # nothing took the jobs: no worker here
+
+
+async def test_results_take_k_and_the_sync_client(
+    redis_server: RedisServer, real_redis: aredis.Redis
+) -> None:
+    import threading
+
+    from store.client import SyncRolloutClient
+
+    sync = SyncRolloutClient(redis_server.url)
+    try:
+        batch = sync.submit([f.request()] * 3, n=2, batch_id="s")
+        store = sync._client.store
+
+        def worker() -> None:
+            # Group 1 ends first; the others are cancelled by take=1.
+            import asyncio as aio
+
+            async def run() -> None:
+                for rid in batch.groups()[1]:
+                    await finish(store, rid)
+
+            aio.run_coroutine_threadsafe(run(), sync._loop).result()
+
+        threading.Thread(target=worker).start()
+        got = list(sync.results("s", take=1, timeout=10))
+        assert [r.rollout_id for r in got] == batch.groups()[1]
+        assert (
+            sorted(sync._call(sync._client.statuses(list(batch))))
+            == ["cancelled"] * 4 + ["done"] * 2
+        )
+        assert sync.stats().by_state[Status.CANCELLED] == 4
+        assert sync.ack(batch_id="s").acked and sync.batches() == []
+    finally:
+        sync.close()
