@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
+import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +46,19 @@ def start_worker(
     )  # fmt: skip
     env = {**os.environ, SYNTHETIC_ARGS_ENV: json.dumps({**SYNTHETIC_PACE, **(synthetic or {})})}
     return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+async def until(
+    cond: Callable[[], Awaitable[bool]],
+    timeout: float = 120,
+    what: str = "timed out",
+    every: float = 0.02,
+) -> None:
+    """Poll ``cond`` every ``every`` s until it holds; fail with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(every)
 
 
 def greedy(n: int) -> SamplingParams:

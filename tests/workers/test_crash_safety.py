@@ -39,12 +39,15 @@ from tests.workers.helpers import (
     random_prompts,
     start_worker,
     stop,
+    until,
 )
 
 pytestmark = pytest.mark.redis_server
 
 FAST = ("--lease-ttl", "2", "--heartbeat", "0.25")  # recovery in seconds, for the tests
 K = 8  # checkpoint every 8 tokens (start_worker's default)
+# For a worker that only finishes what another left: its pace matters to nothing tested.
+UNPACED = {"token_delay_s": 0.0}
 
 
 def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
@@ -53,13 +56,6 @@ def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
 
 async def tokens_of(client: RolloutClient, rid: str) -> int:
     return (await client.store.load(rid)).num_tokens
-
-
-async def until(cond, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not await cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(params=["synthetic", pytest.param("cpu", marks=pytest.mark.slow)])
@@ -81,7 +77,9 @@ async def test_kill_9_mid_generation_resumes_elsewhere(
         a.kill()  # SIGKILL: no chance to save anything
         a.wait(10)
         saved = await tokens_of(client, rid)
-        b = start_worker(server.url, model, "b", tmp_path / "b.log", *FAST, concurrency=1)
+        b = start_worker(
+            server.url, model, "b", tmp_path / "b.log", *FAST, concurrency=1, synthetic=UNPACED
+        )
         [result] = await client.wait([rid], timeout=180)
     finally:
         stop(a, *(p for p in [b] if p))
@@ -314,7 +312,11 @@ async def test_sigterm_saves_progress_and_exits_promptly(
         # Nothing is left live: what was generating is saved and aborted for shutdown.
         assert not any(s.status in (Status.GENERATING, Status.RESUMED) for s in states)
         assert any(s.abort_reason is AbortReason.SHUTDOWN and s.num_tokens >= 2 * K for s in states)
-        b = start_worker(server.url, SYNTHETIC, "t2", tmp_path / "t2.log", *FAST)
+        # Unpaced: what is tested is how `t` stopped; `t2` only finishes the work (the
+        # synthetic engine's tokens do not depend on its pace; paced, this took ~3 s).
+        b = start_worker(
+            server.url, SYNTHETIC, "t2", tmp_path / "t2.log", *FAST, synthetic=UNPACED
+        )
         results = await client.wait(ids, timeout=180)
     finally:
         stop(a, *(p for p in [b] if p))

@@ -24,7 +24,7 @@ from store.client import RolloutClient
 from store.redis_server import RedisServer
 from tests.engines.stream import collect_request
 from tests.vllm_plugin import release_vllm
-from tests.workers.helpers import attempt_intervals, max_overlap, stop
+from tests.workers.helpers import attempt_intervals, max_overlap, stop, until
 from workers.engines.base import EngineRequest
 from workers.worker_cli import command
 
@@ -42,13 +42,6 @@ def start_vllm_worker(url: str, model: Path, name: str, log: Path) -> subprocess
     env = dict(os.environ, ROLLOUTS_VLLM_ENGINE_ARGS='{"max_model_len": 512}')
     cmd = command(url, model, name, "--checkpoint-tokens", "8", concurrency=2, engine="vllm")
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
-
-
-async def until(cond, what: str, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not await cond():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
 
 
 async def test_two_vllm_workers_six_rollouts_aborted_twice(
@@ -81,10 +74,14 @@ async def test_two_vllm_workers_six_rollouts_aborted_twice(
             )
 
         for version in (1, 2):  # republish the same weights: aborts, reload, resume
-            await until(lambda v=version: generating(v - 1), "no rollout was generating")
+            await until(
+                lambda v=version: generating(v - 1), what="no rollout was generating", every=0.01
+            )
             await client.publish_weights(version, str(tiny_dense_dir))
             await until(
-                lambda v=version: _any_abort(client, ids, v), f"update {version} aborted nothing"
+                lambda v=version: _any_abort(client, ids, v),
+                what=f"update {version} aborted nothing",
+                every=0.01,
             )
         results = await client.wait(ids, timeout=300)
     finally:
