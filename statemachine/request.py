@@ -18,9 +18,11 @@ INT_MAX = 2**63 - 1
 # The rq queue a rollout goes to when the submitter names none (``store.defaults.QUEUE_NAME``).
 DEFAULT_QUEUE = "rollouts"
 
-# Metadata is stored verbatim in the log; keep it to plain msgpack-able scalars so it
-# can never smuggle objects (and so never needs pickle).
-MetadataValue = str | int | float | bool | None
+# Metadata is stored verbatim in the log and comes back with every result: plain msgpack data
+# (strings, numbers, booleans, None, lists and string-keyed maps of them), so it can never
+# smuggle objects (and so never needs pickle). Its size is capped at submit.
+MetadataValue = Any
+_METADATA_DEPTH = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +37,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # extra top-k logprobs asked of the engine; the sampled one is always kept
+    # What to do when prompt + max_tokens exceeds the model's context (known only on the
+    # worker): False fails the rollout at once with request_error; True generates what fits,
+    # and the rollout may end with ``length`` before max_tokens.
+    cap_to_context: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -56,9 +62,14 @@ class SamplingParams:
             _check_int("seed", self.seed, minimum=0)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest("ignore_eos must be a bool")
+        if not isinstance(self.cap_to_context, bool):
+            raise InvalidRequest("cap_to_context must be a bool")
         _check_int("logprobs", self.logprobs, minimum=0)
 
     def to_dict(self) -> dict[str, Any]:
+        # cap_to_context only when set: records (and submit fingerprints) of requests that do
+        # not use it stay byte for byte what they were before the field existed.
+        capped = {"cap_to_context": True} if self.cap_to_context else {}
         return {
             "max_tokens": self.max_tokens,
             "min_tokens": self.min_tokens,
@@ -70,6 +81,7 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs,
+            **capped,
         }
 
     @classmethod
@@ -107,11 +119,9 @@ class RolloutRequest:
             _check_int("max_staleness", self.max_staleness, minimum=0)
         if not isinstance(self.metadata, dict):
             raise InvalidRequest("metadata must be a dict")
-        for k, v in self.metadata.items():
-            if not isinstance(k, str) or not isinstance(v, str | int | float | bool | None):
-                raise InvalidRequest(
-                    f"metadata must map strings to str/int/float/bool/None, got {k!r}: {v!r}"
-                )
+        _check_metadata("metadata", self.metadata, 0)
+        # As stored and read back: tuples become lists, so a retried submit compares equal.
+        object.__setattr__(self, "metadata", _as_stored(self.metadata))
 
     __hash__ = None  # type: ignore[assignment]  # metadata is a dict: not hashable, by design
 
@@ -209,3 +219,35 @@ def _check_float(
             f"({low}, {high}]" if low_open else f"[{low}, {high if high is not None else 'inf'})"
         )
         raise InvalidRequest(f"{name} must be in {bound}, got {value!r}")
+
+
+def _check_metadata(where: str, value: object, depth: int) -> None:
+    if depth > _METADATA_DEPTH:
+        raise InvalidRequest(f"{where}: nested deeper than {_METADATA_DEPTH} levels")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidRequest(f"{where}: keys must be strings, got {k!r}")
+            _check_metadata(f"{where}.{k}", v, depth + 1)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_metadata(f"{where}[{i}]", v, depth + 1)
+    elif (
+        isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value <= INT_MAX
+    ):
+        raise InvalidRequest(f"{where}: {value} does not fit in 64 bits")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{where}: {value!r} is not finite")
+    elif not isinstance(value, str | int | float | bool | None):
+        raise InvalidRequest(
+            f"{where}: must be str/int/float/bool/None or lists and maps of them, "
+            f"got {type(value).__name__}"
+        )
+
+
+def _as_stored(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _as_stored(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_stored(v) for v in value]
+    return value

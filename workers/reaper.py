@@ -9,6 +9,10 @@ One bad rollout affects only itself: each expired lease is handled on its own, a
 error leaves that lease for the next pass, and a rollout that cannot be read at all is
 quarantined (its lease moved to the quarantine hash with the reason, logged once) so that it
 never again stands in front of the leases behind it.
+
+A rollout whose workers keep dying under it fails with ``worker_lost`` once its budget is spent
+(``workers.failures``). Every ``PRUNE_EVERY`` passes the reaper also drops the stats heartbeats
+of workers gone quiet (``store.stats.prune``): a killed worker never removes its own.
 """
 
 from __future__ import annotations
@@ -20,13 +24,26 @@ import logging
 from redis import Redis as SyncRedis
 from rq import Queue
 
-from statemachine import LIVE, AbortReason, CodecError, CorruptRecord, RolloutState, commands
-from store import AppendRefused, EventStore, RolloutNotFound
+from statemachine import (
+    LIVE,
+    AbortReason,
+    CodecError,
+    CorruptRecord,
+    FailureClass,
+    RolloutState,
+    commands,
+)
+from store import AppendRefused, EventStore, RolloutNotFound, defaults, stats
 from store.leases import Leases
 from store.queue import enqueue_rollouts_async, rollout_queue
+from workers.failures import record_failure, worker_lost_aborts
 from workers.rq_bridge import RqBridge
 
 log = logging.getLogger("rollouts.reaper")
+
+# Passes between two prunes of dead workers' heartbeats: a stale entry is already left out of
+# ``read_stats``; removing it is housekeeping, worth one HGETALL every ~10 s, not every second.
+PRUNE_EVERY = 10
 
 
 class Reaper:
@@ -36,11 +53,14 @@ class Reaper:
         leases: Leases,
         connection: SyncRedis,
         jobs: RqBridge | None = None,
+        *,
+        max_worker_lost: int = defaults.MAX_WORKER_LOST,
     ) -> None:
         self.store = store
         self.leases = leases
         self.connection = connection  # rq's (synchronous) connection
         self.jobs = jobs  # the worker's rq bridge: abandoned jobs of its queues go back
+        self.max_worker_lost = max_worker_lost
         self._queues: dict[str, Queue] = {}
         self.recovered = 0
         self.quarantined = 0
@@ -75,11 +95,8 @@ class Reaper:
             await self.leases.release_if_unchanged(rid, expiry)  # a deleted rollout
             return False
         if state.status in LIVE:
-            [lost] = commands.abort(
-                state, AbortReason.WORKER_LOST, f"lease of {state.worker_id} expired"
-            )
             try:
-                await self.store.append(state, lost)
+                state = await self._abort_lost(state)
             except AppendRefused:
                 # It moved on since we read it (finished, or another reaper won): look again
                 # next pass if the lease is still expired.
@@ -99,6 +116,22 @@ class Reaper:
         )  # fmt: skip
         return True
 
+    async def _abort_lost(self, state: RolloutState) -> RolloutState:
+        """Record that the rollout's worker was lost; fail it if that spends its budget."""
+        [lost] = commands.abort(
+            state, AbortReason.WORKER_LOST, f"lease of {state.worker_id} expired"
+        )
+        count = await worker_lost_aborts(self.store, state.rollout_id) + 1
+        if count < self.max_worker_lost:
+            return await self.store.append(state, lost)
+        error = (
+            f"{count} workers were lost under this rollout (limit {self.max_worker_lost}); "
+            f"the last was {state.worker_id}, whose lease expired"
+        )
+        return await record_failure(
+            self.store, state, error, FailureClass.WORKER_LOST, before=[lost]
+        )
+
     async def _quarantine(self, rid: str, expiry: int, exc: CodecError) -> None:
         reason = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, CorruptRecord):
@@ -110,6 +143,16 @@ class Reaper:
             self.quarantined += 1
             log.error("rollout %s: cannot be read, quarantined (%s)", rid, reason)
 
+    async def _prune_workers(self) -> None:
+        try:
+            gone = await stats.prune(self.store.redis, self.store.keys)
+        except Exception:
+            # Redis unreachable: the stale heartbeats are still left out of the stats.
+            log.warning("pruning dead workers' heartbeats failed", exc_info=True)
+            return
+        if gone:
+            log.info("workers gone quiet, removed from the stats: %s", gone)
+
     def _queue(self, state: RolloutState) -> Queue:
         queue = self._queues.get(state.queue)
         if queue is None:
@@ -119,11 +162,15 @@ class Reaper:
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
         """Pass after pass until ``stop`` is set (checked between passes, so a cancel that
         redis-py swallows cannot keep it running)."""
+        passes = 0
         while not stop.is_set():
             try:
                 await self.reap_once()
             except Exception:
                 # Redis unreachable (listing the leases failed): they are still there next pass.
                 log.warning("reaper pass failed", exc_info=True)
+            if passes % PRUNE_EVERY == 0:
+                await self._prune_workers()
+            passes += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)

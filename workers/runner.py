@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from statemachine import LIVE, AbortReason, FinishReason, RolloutState, commands
+from statemachine import LIVE, AbortReason, FailureClass, FinishReason, RolloutState, commands
 from statemachine.arrays import clamp_logprobs
 from statemachine.commands import NewTokens
 from statemachine.errors import ModelMismatch
@@ -25,7 +25,9 @@ from store import AppendRefused, EventStore, defaults
 from store.leases import Leases, now_ms
 from workers.checkpoint import Cadence, Checkpointer
 from workers.engines.base import Chunk, Engine, EngineRequest, join_chunks
-from workers.engines.errors import EngineDead, EngineError, RequestAborted
+from workers.engines.errors import EngineDead, EngineError, RequestAborted, RequestRejected
+from workers.engines.inflight import check_request, fit_to_context
+from workers.failures import record_failure, worker_lost_aborts
 
 log = logging.getLogger("rollouts.runner")
 
@@ -43,6 +45,7 @@ class Outcome(StrEnum):
     ENGINE_DEAD = "engine_dead"  # progress kept, attempt aborted; the engine is gone for good
     WRONG_QUEUE = "wrong_queue"  # the job came from a queue the rollout was not submitted to
     WRONG_MODEL = "wrong_model"  # earlier attempts ran another model: not for this worker
+    FAILED = "failed"  # recorded failed here: a request error, or its worker-lost budget is spent
 
 
 # Outcomes after which the rollout's lease, if any, belongs to another attempt (or was never
@@ -96,6 +99,7 @@ class RolloutRunner:
         leases: Leases | None = None,
         lease_ttl_s: float = defaults.LEASE_TTL_S,
         model_id: str | None = None,
+        max_worker_lost: int = defaults.MAX_WORKER_LOST,
     ) -> None:
         self.store = store
         self.checkpointer = checkpointer
@@ -105,6 +109,7 @@ class RolloutRunner:
         self.weight_mode = weight_mode
         self.leases = leases
         self.lease_ttl_s = lease_ttl_s
+        self.max_worker_lost = max_worker_lost
         # What every attempt records as its model; the engine's own identity unless the
         # deployment names it (e.g. vLLM servers whose model directory is not mounted here).
         self.model_id = engine.model_id if model_id is None else model_id
@@ -153,9 +158,12 @@ class RolloutRunner:
         self._idle.clear()
         try:
             result = await self._run(rollout_id, queue, attempt)
-            if self.leases is not None and result.outcome not in _NOT_OURS:
+            if self.leases is not None and (
+                result.outcome not in _NOT_OURS or result.state.terminal
+            ):
                 # Our attempt is over: the lease goes before the job is handed back, so that the
-                # next worker's lease is never the one we drop.
+                # next worker's lease is never the one we drop. An ended rollout (e.g. cancelled
+                # under us: LOST) takes no lease ever again, so its lease is nobody's.
                 await self.leases.drop(rollout_id)
             return result
         finally:
@@ -190,6 +198,10 @@ class RolloutRunner:
             # into a re-enqueue, never a live attempt nobody watches.
             await self.leases.take(rollout_id, self.lease_ttl_s)
         try:
+            if state.status in LIVE:
+                spent = await self._worker_lost_budget_spent(state)
+                if spent is not None:
+                    return spent
             try:
                 state = await self._begin(state)
             except ModelMismatch:
@@ -207,6 +219,22 @@ class RolloutRunner:
         except AppendRefused:
             # Fenced out: our attempt is no longer the live one. Someone else owns it now.
             return RunResult(Outcome.LOST, await self.store.load(rollout_id))
+
+    async def _worker_lost_budget_spent(self, state: RolloutState) -> RunResult | None:
+        """A takeover is a lost worker too: if this one spends the rollout's worker-lost budget,
+        record the abort and ``Failed`` (worker_lost) instead of opening another attempt."""
+        lost = await worker_lost_aborts(self.store, state.rollout_id) + 1
+        if lost < self.max_worker_lost:
+            return None
+        error = (
+            f"{lost} workers were lost under this rollout (limit {self.max_worker_lost}); "
+            f"the last, {state.worker_id}, was taken over by {self.worker_id}"
+        )
+        [abort] = commands.abort(state, AbortReason.WORKER_LOST, f"taken over by {self.worker_id}")
+        done = await record_failure(
+            self.store, state, error, FailureClass.WORKER_LOST, before=[abort]
+        )
+        return RunResult(Outcome.FAILED, done, error)
 
     async def _cancel_stale(self, state: RolloutState) -> RunResult:
         # Policy: a rollout is never (re)started on weights beyond its staleness bound; it ends
@@ -248,6 +276,14 @@ class RolloutRunner:
             sampling=state.resume_sampling(),
             resumed_tokens=state.num_tokens,
         )
+        limits = self.engine.limits
+        try:
+            # Checked here, not only by the engine: every engine is held to the same rules, and
+            # a refused request never reaches it.
+            check_request(request, limits, context_name="context_length")
+        except RequestRejected as exc:
+            return await self._reject(state, [], exc)
+        request = fit_to_context(request, limits)
         attempt.request_id = request.request_id
         if attempt.stop is not None:
             # stop() came while the attempt was being opened, before there was a request.
@@ -275,6 +311,10 @@ class RolloutRunner:
             reason, detail = attempt.stop or (AbortReason.SHUTDOWN, "")
             state = await self._settle(in_flight, state)
             return RunResult(Outcome.ABORTED, await self._abort(state, buffer, reason, detail))
+        except RequestRejected as exc:
+            # The engine refuses the request itself: no worker of this model would serve it.
+            state = await self._settle(in_flight, state)
+            return await self._reject(state, buffer, exc)
         except EngineDead as exc:
             # Not this rollout's fault: save it and give it back; the worker stops. Its own
             # reason, so that it is never charged to the rollout's engine-error budget.
@@ -297,6 +337,18 @@ class RolloutRunner:
             raise EngineError(f"engine stream for {rid} ended without a finish reason")
         done = await self._finish(attempt, state, buffer, last.finish_reason, last.stop_reason)
         return RunResult(Outcome.FINISHED, done)
+
+    async def _reject(
+        self, state: RolloutState, chunks: list[Chunk], exc: RequestRejected
+    ) -> RunResult:
+        """Fail the rollout at once as a request error (any tokens it has are kept)."""
+        error = f"{type(exc).__name__}: {exc}"
+        tokens = self._new_tokens(chunks)
+        before = [] if tokens is None else [commands.checkpoint(state, tokens)]
+        done = await record_failure(
+            self.store, state, error, FailureClass.REQUEST_ERROR, before=before
+        )
+        return RunResult(Outcome.FAILED, done, error)
 
     async def _settle(
         self, in_flight: asyncio.Task[RolloutState] | None, state: RolloutState

@@ -22,13 +22,15 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from statemachine import Aborted, AbortReason, CodecError, CorruptRecord, RolloutState, commands
+from statemachine import Aborted, AbortReason, CodecError, CorruptRecord, FailureClass, RolloutState
 from store import AppendRefused, EventStore, RolloutNotFound, defaults
+from store import stats as fleet
 from store.connection import connect
 from store.leases import Leases
 from store.weights import WeightRegistry
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Engine
+from workers.failures import record_failure
 from workers.reaper import Reaper
 from workers.rq_bridge import RqBridge, TakenJob
 from workers.runner import Cadence, Outcome, RolloutRunner, RunResult, Stats
@@ -47,6 +49,7 @@ class WorkerConfig:
     )
     cadence: Cadence = field(default_factory=Cadence)
     max_engine_attempts: int = defaults.MAX_ENGINE_ATTEMPTS
+    max_worker_lost: int = defaults.MAX_WORKER_LOST
     dequeue_timeout_s: int = defaults.DEQUEUE_TIMEOUT_S
     lease_ttl_s: float = defaults.LEASE_TTL_S
     heartbeat_s: float = defaults.HEARTBEAT_S  # lease renewal; rq's own heartbeat every 5th
@@ -119,15 +122,20 @@ class Worker:
             leases=leases,
             lease_ttl_s=cfg.lease_ttl_s,
             model_id=cfg.model_id,
+            max_worker_lost=cfg.max_worker_lost,
         )
         self.store = store
         rq = self._rq = RqBridge(
-            cfg.redis_url, list(cfg.queues), cfg.name, execution_ttl_s=cfg.rq_execution_ttl_s
+            cfg.redis_url,
+            list(cfg.queues),
+            cfg.name,
+            execution_ttl_s=cfg.rq_execution_ttl_s,
+            keys=self.store.keys,
         )
         self.weights = WeightFollower(self, WeightRegistry(client), cfg.weight_mode)
         await self.weights.catch_up()
         await rq.register()
-        reaper = Reaper(store, leases, rq.connection, rq)
+        reaper = Reaper(store, leases, rq.connection, rq, max_worker_lost=cfg.max_worker_lost)
         # Background loops stop on this event, checked every iteration: a cancel alone can
         # be lost inside redis-py (seen: 15 in 400 with socket_timeout set), and a worker
         # waiting on a loop that never ends never exits.
@@ -151,6 +159,10 @@ class Worker:
             await self._shut_down(rq)
             closing.set()
             await _stop_all(loops, defaults.LOOP_STOP_S)
+            # Gone from the stats at once; a killed worker's entry is pruned by some reaper.
+            await _bounded(
+                fleet.remove(client, store.keys, cfg.name), defaults.LOOP_STOP_S, "stats entry"
+            )
             await _bounded(checkpointer.close(), defaults.LOOP_STOP_S, "checkpointer")
             await _bounded(rq.close(), defaults.LOOP_STOP_S, "rq registration")
             await _bounded(client.aclose(), defaults.LOOP_STOP_S, "redis client")
@@ -220,9 +232,7 @@ class Worker:
             # The slot frees as soon as a finished rollout's last events are stamped: the next
             # job's dequeue and start overlap this one's last round trip and rq bookkeeping
             # (about 6 round trips the engine would otherwise run one request short).
-            result = await self.runner.run(
-                rid, on_engine_free=free_slot, queue=running.queue.name
-            )
+            result = await self.runner.run(rid, on_engine_free=free_slot, queue=running.queue.name)
         except RolloutNotFound as exc:
             # Nothing to run, now or ever: the job goes to rq's failed registry with why.
             await self._refuse(rq, running, f"{exc}")
@@ -282,6 +292,11 @@ class Worker:
                 rid, state.attempt, errors, budget, self.config.name, result.error,
             )  # fmt: skip
             await self._give_back(rq, running, state.queue, at_front=False)
+        elif outcome is Outcome.FAILED:
+            # Recorded failed by the runner (a request error, or its worker-lost budget): a
+            # failed rq job with the reason, like a rollout out of engine-error attempts.
+            why = f"rollout {rid} failed: {result.error}"
+            await self._books(lambda: rq.fail(running, why), running)
         elif outcome is Outcome.ENGINE_DEAD:
             self.engine_died(result.error or "engine died")
             # First in line for a worker with an engine.
@@ -296,6 +311,15 @@ class Worker:
             # Not ours to run: give it back, after a backoff, so a worker serving its model
             # takes it (on a queue that mixes models, which the queue was not meant to).
             await self._back_off(rq, running, free_slot, result.error or "wrong model")
+        elif outcome is Outcome.LOST and state.terminal:
+            # Ended from outside while generating here (a trainer's cancel fences the attempt):
+            # the engine request is aborted, its saved tokens stay; not a failure of the job.
+            log.info(
+                "rollout %s ended %s while generating on %s (%s); job %s superseded",
+                rid, state.status.value, self.config.name, state.error or "no reason given",
+                running.job.id,
+            )  # fmt: skip
+            await self._books(lambda: rq.supersede(running), running)
         elif outcome in (Outcome.LOST, Outcome.DUPLICATE):
             log.info(
                 "rollout %s: job %s superseded (%s): attempt %d of worker %s owns it",
@@ -399,7 +423,7 @@ class Worker:
 
     async def _fail(self, state: RolloutState, error: str, errors: int) -> None:
         try:
-            await self.store.append(state, commands.fail(state, error))
+            await record_failure(self.store, state, error, FailureClass.ENGINE_ERROR)
         except AppendRefused:
             # It moved on meanwhile (cancelled, or taken over): nothing of ours to record.
             return
@@ -418,12 +442,24 @@ class Worker:
                 await leases.renew(self.runner.active, self.config.lease_ttl_s)
                 if beats % rq_every == 0:
                     await rq.heartbeat()
+                await fleet.beat(self.store.redis, self.store.keys, self._beat())
             except Exception:
                 # A missed beat is survivable (the TTLs span several); keep beating.
                 log.warning("heartbeat failed", exc_info=True)
             beats += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.config.heartbeat_s)
+
+    def _beat(self) -> fleet.WorkerBeat:
+        """What ``client.stats()`` shows of this worker: rollouts on its engine right now (inside
+        the runner: opening, generating or saving), its weights and what it serves."""
+        return fleet.WorkerBeat(
+            worker_id=self.config.name,
+            in_flight=len(self.runner.active),
+            weight_version=self.engine.weight_version,
+            queues=self.config.queues,
+            model=self.runner.model_id,
+        )
 
     async def _shut_down(self, rq: RqBridge) -> None:
         tasks = list(self.tasks.values())

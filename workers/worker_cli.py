@@ -92,6 +92,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-engine-attempts", type=int, default=defaults.MAX_ENGINE_ATTEMPTS)
     parser.add_argument(
+        "--max-worker-lost",
+        type=int,
+        default=defaults.MAX_WORKER_LOST,
+        help="workers that may die under one rollout (its lease lapsed, or it was taken over) "
+        "before it is failed as worker_lost, so that a prompt that kills every worker it lands "
+        f"on (e.g. out of memory) cannot take down the fleet forever (default "
+        f"{defaults.MAX_WORKER_LOST})",
+    )
+    parser.add_argument(
         "--lease-ttl",
         type=float,
         default=defaults.LEASE_TTL_S,
@@ -145,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         cadence=Cadence(tokens=args.checkpoint_tokens, interval_s=args.checkpoint_interval),
         max_engine_attempts=args.max_engine_attempts,
+        max_worker_lost=args.max_worker_lost,
         burst=args.burst,
         weight_mode=WeightMode(args.weight_mode),
         lease_ttl_s=args.lease_ttl,

@@ -15,7 +15,7 @@ from statemachine.request import SamplingParams
 from statemachine.status import FinishReason
 from tests.engines.stream import Generation, collect_request
 from workers.engines.base import Engine, EngineRequest
-from workers.engines.errors import EngineError, RequestAborted
+from workers.engines.errors import EngineError, RequestAborted, RequestRejected
 from workers.tiny_model import make_tiny_model
 
 # The session loop: pooled vLLM engines are bound to it (tests/engines/vllm_support.py).
@@ -272,8 +272,14 @@ async def test_abort_from_another_task(engine: Engine, prompts) -> None:
 
 
 async def test_bad_requests_fail_alone(engine: Engine, prompts) -> None:
-    with pytest.raises(EngineError):
-        await collect(engine, [1, 10_000_000], max_tokens=3)
+    # Refused as the request's fault (RequestRejected: the worker fails it as request_error,
+    # no retry), against the limits the engine reports.
+    context, vocab = engine.limits.context_length, engine.limits.vocab_size
+    assert context is not None and vocab is not None
+    bad = [([1, 10_000_000], 3), ([1, vocab], 3), ([1] * context, 1), ([1, 2], context - 1)]
+    for prompt, max_tokens in bad:
+        with pytest.raises(RequestRejected):
+            await collect(engine, prompt, max_tokens=max_tokens)
     out = await greedy(engine, prompts[0], n=3)
     assert len(out.token_ids) == 3
 

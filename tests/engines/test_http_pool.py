@@ -21,7 +21,7 @@ from statemachine.request import SamplingParams
 from statemachine.status import FinishReason
 from tests.engines.stream import collect_request
 from workers.engines.base import EngineRequest
-from workers.engines.errors import EngineUnavailable, RequestAborted
+from workers.engines.errors import EngineUnavailable, RequestAborted, RequestRejected
 from workers.engines.vllm.http import VllmHttpEngine
 from workers.engines.vllm.http_pool import HttpOptions, HttpStatusError, ServerPool
 
@@ -206,9 +206,13 @@ async def test_never_retries_other_4xx(served, status: int) -> None:
     s = served(FakeVllm(fail_next=[status]))
     engine = VllmHttpEngine([s.url], options=FAST)
     try:
-        with pytest.raises(HttpStatusError) as info:
+        # 400 and 422 are vLLM refusing the request itself (a request error, never retried
+        # on any server); other 4xx stay engine errors (a misconfigured URL, a conflict).
+        rejected = status in (400, 422)
+        with pytest.raises(RequestRejected if rejected else HttpStatusError) as info:
             await collect_request(engine, request())
-        assert info.value.status == status
+        cause = info.value.__cause__ if rejected else info.value
+        assert isinstance(cause, HttpStatusError) and cause.status == status
         assert s.fake.generate_calls == 1
         assert engine.pool.servers[0].healthy  # a 4xx says nothing about the server's health
     finally:

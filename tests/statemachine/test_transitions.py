@@ -228,8 +228,14 @@ def test_bad_requests_are_refused() -> None:
         RolloutRequest(prompt_token_ids=(), sampling=sp)
     with pytest.raises(InvalidRequest):
         RolloutRequest(prompt_token_ids=(1, -2), sampling=sp)
-    with pytest.raises(InvalidRequest):
-        RolloutRequest(prompt_token_ids=(1,), sampling=sp, metadata={"x": [1, 2]})  # type: ignore[dict-item]
+    for bad in ({"x": {1, 2}}, {"x": b"raw"}, {"x": [object()]}, {"x": {3: 1}},
+                {"x": float("nan")}, {"x": 2**64}):  # fmt: skip
+        with pytest.raises(InvalidRequest, match="metadata"):
+            RolloutRequest(prompt_token_ids=(1,), sampling=sp, metadata=bad)
+    nested = RolloutRequest(prompt_token_ids=(1,), sampling=sp,
+                            metadata={"x": (1, {"y": [2.5, None]}), "z": "s"})  # fmt: skip
+    assert nested.metadata == {"x": [1, {"y": [2.5, None]}], "z": "s"}
+    assert RolloutRequest.from_dict(nested.to_dict()).to_dict() == nested.to_dict()
     with pytest.raises(InvalidRequest, match="unknown sampling"):
         RolloutRequest.from_dict(
             {"prompt_token_ids": [1], "sampling": {"max_tokens": 2, "tempreature": 1}}

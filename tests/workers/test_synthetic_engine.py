@@ -43,7 +43,7 @@ async def run(
 async def test_a_resume_at_any_point_equals_the_uninterrupted_run(
     k: int, tokens_per_chunk: int
 ) -> None:
-    engine = SyntheticEngine(tokens_per_chunk=tokens_per_chunk, experts=8, vocab=1000)
+    engine = SyntheticEngine(tokens_per_chunk=tokens_per_chunk, experts=8, vocab=2048)
     full, reasons = await run(engine, PROMPT, N)
     assert reasons[-1] is FinishReason.LENGTH and len(full.token_ids) == N
     head, _ = await run(engine, PROMPT, k)

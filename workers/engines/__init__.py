@@ -4,6 +4,6 @@ engines share is written once in `inflight.py`; their errors are in `errors.py`.
 
 from __future__ import annotations
 
-from workers.engines.base import Chunk, Engine, EngineRequest, expert_dtype
+from workers.engines.base import Chunk, Engine, EngineLimits, EngineRequest, expert_dtype
 
-__all__ = ["Chunk", "Engine", "EngineRequest", "expert_dtype"]
+__all__ = ["Chunk", "Engine", "EngineLimits", "EngineRequest", "expert_dtype"]

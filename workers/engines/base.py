@@ -126,11 +126,22 @@ def config_expert_dtype(config: Mapping[str, Any]) -> np.dtype | None:
     return expert_dtype(int(n)) if n else None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What an engine can serve, for the checks every request passes before it is sent
+    (``workers.engines.inflight.check_request``). None: unknown (e.g. vLLM servers whose model
+    directory is not mounted here); the engine itself is then the only judge."""
+
+    context_length: int | None  # prompt + generated tokens, at most (vLLM's max_model_len)
+    vocab_size: int | None  # token ids are 0 .. vocab_size - 1
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What a worker needs of an engine.
 
     Contract (tests/engines/test_engine_contract.py holds every engine to it):
+    - `generate` raises `RequestRejected` for a request it can never serve (see `limits`).
     - `generate` streams chunks; the last one carries a finish reason and the stream then
       ends. An aborted request's stream raises `workers.engines.errors.RequestAborted`
       instead, so a stream that ends quietly always ended with a finish reason.
@@ -143,6 +154,11 @@ class Engine(Protocol):
 
     @property
     def weight_version(self) -> int: ...
+
+    @property
+    def limits(self) -> EngineLimits:
+        """Its context length and vocabulary size, where known."""
+        ...
 
     @property
     def model_id(self) -> str:

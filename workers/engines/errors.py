@@ -10,6 +10,13 @@ class EngineError(WorkerError):
     """An engine failed to serve a request (bad input, a failed forward, a closed engine)."""
 
 
+class RequestRejected(EngineError):
+    """The engine can never serve this request as asked (a prompt as long as the context,
+    token ids outside the vocabulary, a token budget beyond the context, sampling values it
+    refuses): no retry on any worker of this model would help, so the worker fails the rollout
+    at once with ``FailureClass.REQUEST_ERROR`` instead of spending its engine-error budget."""
+
+
 class RequestAborted(EngineError):
     """The request was aborted: its stream ends with this instead of a finish reason.
 

@@ -3,8 +3,9 @@
 The CPU engine and both vLLM engines (not the synthetic one, a test double) each have:
 - a table of the requests in flight by request id (`in_flight` lists it);
 - the same admission checks, before anything reaches the model: no work once the engine is
-  closed (EngineClosed), no second request under an id still in flight, and a prompt that is
-  non-empty, inside the vocabulary and shorter than the context (`check_prompt`);
+  closed (EngineClosed), no second request under an id still in flight, and a request the
+  model can serve (`check_request`: prompt and stop ids inside the vocabulary, prompt shorter
+  than the context, prompt + max_tokens within it unless capped), else RequestRejected;
 - the same abort: idempotent (unknown, finished and already-aborted ids are accepted), it
   marks the stream aborted at once, so that nothing more is yielded from it, and then stops
   whatever the engine runs for the request (`_stop`, each engine's own). An abort that comes
@@ -19,11 +20,11 @@ The CPU engine and both vLLM engines (not the synthetic one, a test double) each
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
-from workers.engines.base import EngineRequest
-from workers.engines.errors import EngineClosed, EngineError, RequestAborted
+from workers.engines.base import EngineLimits, EngineRequest
+from workers.engines.errors import EngineClosed, EngineError, RequestAborted, RequestRejected
 
 # How many ended and early-aborted request ids an engine remembers (a few hundred bytes
 # each): far more than the requests a worker opens in the moments such a race spans.
@@ -120,18 +121,50 @@ def _remember(ids: OrderedDict[str, None], request_id: str) -> None:
         ids.popitem(last=False)
 
 
-def check_prompt(
-    request: EngineRequest, *, vocab_size: int, max_len: int, max_len_name: str = "max_model_len"
-) -> None:
-    """Refuse a bad prompt before it reaches the model, with the same errors on every engine
-    (`max_len_name` names the limit as the engine's configuration does)."""
+def check_request(request: EngineRequest, limits: EngineLimits, *, context_name: str) -> None:
+    """Refuse, with ``RequestRejected``, a request the engine can never serve, before anything
+    reaches the model; the same checks and messages on every engine (``context_name`` names the
+    limit as the engine's configuration does). Run by the worker before it asks the engine
+    (so the synthetic engine is held to them too) and by each real engine's ``generate``.
+
+    A resume is checked like a fresh request: its prompt is ``prompt + tokens so far`` and its
+    budget the tokens left, so the total is unchanged."""
     ids = request.prompt_token_ids
+    sampling = request.sampling
     if not ids:
-        raise EngineError("prompt_token_ids must not be empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise EngineError(f"prompt token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
-    if len(ids) >= max_len:
-        raise EngineError(
-            f"prompt of {len(ids)} tokens leaves no room within {max_len_name}={max_len}"
+        raise RequestRejected("prompt_token_ids must not be empty")
+    vocab = limits.vocab_size
+    if vocab is not None:
+        for name, given in (("prompt", ids), ("stop_token_ids", sampling.stop_token_ids)):
+            bad = [t for t in given if not 0 <= t < vocab]
+            if bad:
+                raise RequestRejected(
+                    f"{name} token ids outside the vocabulary (size {vocab}): {bad[:5]}"
+                )
+    context = limits.context_length
+    if context is None:
+        return
+    if len(ids) >= context:
+        what = "prompt + tokens so far" if request.resumed_tokens else "prompt"
+        raise RequestRejected(
+            f"{what} of {len(ids)} tokens leaves no room within {context_name}={context}"
         )
+    if len(ids) + sampling.max_tokens > context and not sampling.cap_to_context:
+        raise RequestRejected(
+            f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} exceeds "
+            f"{context_name}={context} (set cap_to_context=True to generate what fits)"
+        )
+
+
+def fit_to_context(request: EngineRequest, limits: EngineLimits) -> EngineRequest:
+    """``request`` with its token budget cut to what the context leaves, if it asked for that
+    (``cap_to_context``); a capped rollout then ends with ``length`` where the context ends."""
+    sampling = request.sampling
+    context = limits.context_length
+    if context is None or not sampling.cap_to_context:
+        return request
+    room = context - len(request.prompt_token_ids)
+    if sampling.max_tokens <= room:
+        return request
+    capped = replace(sampling, max_tokens=room, min_tokens=min(sampling.min_tokens, room))
+    return replace(request, sampling=capped)

@@ -11,6 +11,13 @@ request (``resumed_tokens=k``: the last ``k`` prompt ids are the rollout's own o
 continued from position ``k`` of the original prompt, so an aborted and resumed rollout holds
 exactly the tokens, logprobs and routes of an uninterrupted run.
 
+Its limits (``limits``) are its ``vocab`` and ``context_length`` (None: unlimited); the
+worker checks requests against them as against a real model's (``inflight.check_request``).
+Two knobs fail requests on purpose: ``poison_token`` (a prompt holding it raises EngineError,
+an engine failure the worker retries within its budget) and ``reject_rollouts`` (requests of
+these rollout ids raise RequestRejected: the worker's request ids are ``<rollout id>#<attempt>``;
+it picks one sample of a group, whose samples share their prompt).
+
 ``token_delay_s`` paces it (seconds per token, slept once per chunk), so that process tests
 can kill or stop a worker mid-generation; ``rollouts worker --engine synthetic`` reads its
 options from ``$ROLLOUTS_SYNTHETIC_ENGINE`` (``workers.engine_factory``).
@@ -19,13 +26,14 @@ options from ``$ROLLOUTS_SYNTHETIC_ENGINE`` (``workers.engine_factory``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import numpy as np
 
 from statemachine import FinishReason
-from workers.engines.base import Chunk, EngineRequest, expert_dtype
-from workers.engines.errors import EngineClosed, EngineError, RequestAborted
+from workers.engines.base import Chunk, EngineLimits, EngineRequest, expert_dtype
+from workers.engines.errors import EngineClosed, EngineError, RequestAborted, RequestRejected
+from workers.engines.inflight import check_request
 
 LOGPROB_PERIOD = 7
 
@@ -42,6 +50,8 @@ class SyntheticEngine:
         top_k: int = 2,
         poison_token: int | None = None,
         token_delay_s: float = 0.0,
+        context_length: int | None = None,
+        reject_rollouts: Iterable[str] = (),
     ) -> None:
         self._weight_version = weight_version
         self.vocab = vocab
@@ -49,6 +59,8 @@ class SyntheticEngine:
         self.experts, self.layers, self.top_k = experts, layers, top_k
         self.poison_token = poison_token  # a prompt containing it makes generate raise
         self.token_delay_s = token_delay_s
+        self.context_length = context_length
+        self.reject_rollouts = frozenset(reject_rollouts)
         self._aborted: set[str] = set()
         self._closed = False
         # Per-token values repeat (routes with period `experts`, logprobs with period 7):
@@ -65,6 +77,10 @@ class SyntheticEngine:
         return self._weight_version
 
     @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(context_length=self.context_length, vocab_size=self.vocab)
+
+    @property
     def model_id(self) -> str:
         # Its "model" is the shape of what it emits: two synthetic engines that would give a
         # rollout different tokens or routes are different models.
@@ -73,8 +89,11 @@ class SyntheticEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         if self._closed:
             raise EngineClosed("engine is closed")
+        check_request(request, self.limits, context_name="context_length")
         if self.poison_token is not None and self.poison_token in request.prompt_token_ids:
             raise EngineError(f"poison token {self.poison_token} in prompt")
+        if request.request_id.partition("#")[0] in self.reject_rollouts:
+            raise RequestRejected(f"request {request.request_id!r} is on the reject list")
         prompt, k = request.prompt_token_ids, request.resumed_tokens
         # A resume continues the original prompt's sequence at absolute position k.
         base = sum(prompt[: len(prompt) - k])

@@ -90,8 +90,9 @@ class EngineCore:
             try:
                 self._add(serial, prompt, SamplingParams.from_dict(sampling), resumed)
             except Exception as exc:
-                # A request the core cannot take fails alone; the core and the rest go on.
-                self._fail(serial, "EngineError", f"{type(exc).__name__}: {exc}")
+                # A request the core cannot take (its sampling parameters, its stop settings)
+                # fails alone, as the request's fault; the core and the rest go on.
+                self._fail(serial, "RequestRejected", f"{type(exc).__name__}: {exc}")
         elif kind == "abort":
             # Anything it produced is dropped by the front end; here it only stops costing.
             self._active = [s for s in self._active if s.serial != message[1]]

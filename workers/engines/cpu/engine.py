@@ -44,17 +44,18 @@ import numpy as np
 
 from statemachine.codec import unpack_array
 from statemachine.status import FinishReason
-from workers.engines.base import Chunk, EngineRequest
+from workers.engines.base import Chunk, EngineLimits, EngineRequest
 from workers.engines.cpu.wire import FrameReader, write_frame
 from workers.engines.errors import (
     EngineClosed,
     EngineDead,
     EngineError,
     RequestAborted,
+    RequestRejected,
     WeightLoadError,
 )
 from workers.engines.identity import model_identity
-from workers.engines.inflight import InFlightEngine, Stream, check_prompt
+from workers.engines.inflight import InFlightEngine, Stream, check_request
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ CLOSE_TIMEOUT_S = 10.0
 _ERRORS: dict[str, type[EngineError]] = {
     "EngineError": EngineError,
     "EngineClosed": EngineClosed,
+    "RequestRejected": RequestRejected,
     "WeightLoadError": WeightLoadError,
 }
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
@@ -148,6 +150,10 @@ class CpuEngine(InFlightEngine[_Stream]):
 
     # ---- the Engine protocol ---------------------------------------------------------
 
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(context_length=self._max_positions, vocab_size=self._vocab_size)
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         self._check_request(request)
         loop = asyncio.get_running_loop()
@@ -206,12 +212,7 @@ class CpuEngine(InFlightEngine[_Stream]):
     def _check_request(self, request: EngineRequest) -> None:
         self._raise_if_gone()  # first: a dead core is EngineDead, even for a duplicate id
         self._check_new(request.request_id)
-        check_prompt(
-            request,
-            vocab_size=self._vocab_size,
-            max_len=self._max_positions,
-            max_len_name="max_position_embeddings",
-        )
+        check_request(request, self.limits, context_name="max_position_embeddings")
 
     def _raise_if_gone(self) -> None:
         self._raise_if_closed()

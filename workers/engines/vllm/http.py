@@ -30,13 +30,26 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from workers.engines.base import Chunk, EngineRequest, config_expert_dtype, join_chunks, join_tokens
-from workers.engines.errors import EngineUnavailable, RequestAborted, WeightLoadError
+from workers.engines.base import (
+    Chunk,
+    EngineLimits,
+    EngineRequest,
+    config_expert_dtype,
+    join_chunks,
+    join_tokens,
+)
+from workers.engines.errors import (
+    EngineUnavailable,
+    RequestAborted,
+    RequestRejected,
+    WeightLoadError,
+)
 from workers.engines.identity import eos_token_ids
-from workers.engines.inflight import check_prompt
+from workers.engines.inflight import check_request
 from workers.engines.vllm.ext import RELOAD_METHOD
 from workers.engines.vllm.http_pool import (
     HttpOptions,
+    HttpStatusError,
     Server,
     ServerPool,
     is_retryable,
@@ -58,6 +71,10 @@ from workers.engines.vllm.wire import (
     parse_sse_line,
     server_request_id,
 )
+
+# Answers that say the request itself is wrong: never retried, the rollout fails as a
+# request error (404, 405: a misconfigured URL, stays an engine error).
+REJECTED_STATUSES = frozenset({400, 422})
 
 
 @dataclass(eq=False)
@@ -98,14 +115,19 @@ class VllmHttpEngine(SwappingEngine[_Stream]):
 
     # ---- generate ------------------------------------------------------------------
 
+    @property
+    def limits(self) -> EngineLimits:
+        # Without the model directory only the servers know; they answer 400 (see _retry).
+        if self._config is None:
+            return EngineLimits(context_length=self._max_len, vocab_size=None)
+        return EngineLimits(
+            context_length=self._max_len or int(self._config["max_position_embeddings"]),
+            vocab_size=int(self._config["vocab_size"]),
+        )
+
     def _check(self, request: EngineRequest) -> None:
         self._check_new(request.request_id)
-        if self._config is not None:
-            check_prompt(
-                request,
-                vocab_size=int(self._config["vocab_size"]),
-                max_len=self._max_len or int(self._config["max_position_embeddings"]),
-            )
+        check_request(request, self.limits, context_name="max_model_len")
 
     def _new_stream(self, request: EngineRequest) -> _Stream:
         return _Stream(request=request)  # no wake: a stream waiting out a load is not woken
@@ -114,6 +136,10 @@ class VllmHttpEngine(SwappingEngine[_Stream]):
         request_id = stream.request.request_id
         if stream.aborted:
             raise RequestAborted(f"request {request_id!r} was aborted") from exc
+        if isinstance(exc, HttpStatusError) and exc.status in REJECTED_STATUSES:
+            # vLLM's server answers a request it refuses (VLLMClientError: too long, ids
+            # outside the vocabulary, bad sampling values) with 400, pydantic's with 422.
+            raise RequestRejected(f"vLLM server refused the request: {exc}") from exc
         if not is_retryable(exc):
             return False
         if failures > self.pool.options.retries:

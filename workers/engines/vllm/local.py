@@ -36,10 +36,16 @@ from typing import Any
 
 import numpy as np
 
-from workers.engines.base import Chunk, EngineRequest, config_expert_dtype
-from workers.engines.errors import EngineDead, EngineError, RequestAborted, WeightLoadError
+from workers.engines.base import Chunk, EngineLimits, EngineRequest, config_expert_dtype
+from workers.engines.errors import (
+    EngineDead,
+    EngineError,
+    RequestAborted,
+    RequestRejected,
+    WeightLoadError,
+)
 from workers.engines.identity import eos_token_ids
-from workers.engines.inflight import check_prompt
+from workers.engines.inflight import check_request
 from workers.engines.vllm.ext import EXTENSION, RELOAD_METHOD
 from workers.engines.vllm.swap import SubRequest, SwappingEngine, read_config
 from workers.engines.vllm.translate import (
@@ -121,9 +127,13 @@ class VllmEngine(SwappingEngine[SubRequest]):
 
     # ---- generate ------------------------------------------------------------------
 
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(context_length=self.options.max_model_len, vocab_size=self._vocab)
+
     def _check(self, request: EngineRequest) -> None:
         self._check_new(request.request_id)
-        check_prompt(request, vocab_size=self._vocab, max_len=self.options.max_model_len)
+        check_request(request, self.limits, context_name="max_model_len")
 
     def _new_stream(self, request: EngineRequest) -> SubRequest:
         return SubRequest(request=request, wake=asyncio.Event())
@@ -139,15 +149,19 @@ class VllmEngine(SwappingEngine[SubRequest]):
         from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
 
         prompt, kwargs = continuation(stream.request, generated)
-        params = SamplingParams(
-            **kwargs,
-            flat_logprobs=True,
-            output_kind=RequestOutputKind.DELTA,
-            stream_interval=self.options.stream_interval,
-            # Text is only needed to match stop strings (callers decode ids themselves), and
-            # detokenizing runs on this process's event loop, shared with the worker.
-            detokenize=bool(stream.request.sampling.stop),
-        )
+        try:
+            params = SamplingParams(
+                **kwargs,
+                flat_logprobs=True,
+                output_kind=RequestOutputKind.DELTA,
+                stream_interval=self.options.stream_interval,
+                # Text is only needed to match stop strings (callers decode ids themselves),
+                # and detokenizing runs on this process's event loop, shared with the worker.
+                detokenize=bool(stream.request.sampling.stop),
+            )
+        except Exception as exc:
+            # vLLM's own checks of the sampling values (VLLMValidationError).
+            raise _submit_error(exc) from exc
         if self.options.routed_experts:
             # Rows from the last prompt position on: row t is the forward that produced
             # token t (see Chunk), so no prompt rows cross the wire.
@@ -161,10 +175,9 @@ class VllmEngine(SwappingEngine[SubRequest]):
                     params,
                 )
             except Exception as exc:
-                # vLLM's validation errors surface as our EngineError, a dead engine as
-                # EngineDead.
-                error = _error_type(exc)
-                raise error(f"vLLM refused the request: {type(exc).__name__}: {exc}") from exc
+                # vLLM's validation of the request surfaces as RequestRejected, a dead engine
+                # as EngineDead, anything else as EngineError.
+                raise _submit_error(exc) from exc
 
     async def _attempt(
         self, stream: SubRequest, generated: list[int], version: int, epoch: int
@@ -305,6 +318,22 @@ async def _next_output(collector: Any) -> Any:
         # EngineDeadError and request-level errors travel through the collector.
         error = _error_type(exc)
         raise error(f"vLLM failed the request: {type(exc).__name__}: {exc}") from exc
+
+
+def _submit_error(exc: BaseException) -> EngineError:
+    """Our error for what vLLM raised while taking a request (``add_request``, or building its
+    SamplingParams). vLLM 0.32 validates requests there and raises ``VLLMValidationError``
+    (a ``VLLMClientError``: "the request's fault", which its server answers with 400), e.g. for
+    a prompt longer than max_model_len or ids outside the vocabulary
+    (``v1/engine/input_processor.py``, ``renderers/base.py``) or bad sampling values
+    (``sampling_params.py``); plain ValueError/TypeError come from the same checks in places."""
+    from vllm.exceptions import VLLMClientError  # noqa: PLC0415
+
+    text = f"vLLM refused the request: {type(exc).__name__}: {exc}"
+    error = _error_type(exc)
+    if error is EngineError and isinstance(exc, VLLMClientError | ValueError | TypeError):
+        return RequestRejected(text)
+    return error(text)
 
 
 def _error_type(exc: BaseException) -> type[EngineError]:
