@@ -52,7 +52,7 @@ HEAD = "head"
 SUBMITTED = "sub"
 STATUS = "st"
 COMPLETION = "cid"
-JOB = "job"  # the rq job enqueued at submit (written by store/batches.py), deleted at ack
+JOB = "job"  # the rq job enqueued with the Submitted record (append.lua), deleted at ack
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,14 @@ rq is synchronous; the async helpers here run it in a thread.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
+from typing import Any
 
 from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
+from rq.utils import now, utcformat
 
 from store import defaults
 
@@ -24,6 +27,8 @@ from store import defaults
 JOB_FUNC = "workers.jobs.run_rollout"
 # How long rq keeps a finished job (and lists it as finished); ``ack`` deletes it sooner.
 JOB_RESULT_TTL_S = 3600
+# How long rq keeps a failed job (an unloadable one: rollouts that fail end as successes).
+JOB_FAILURE_TTL_S = 7 * 86400
 
 
 def rollout_queue(connection: Redis, name: str = defaults.QUEUE_NAME) -> Queue:
@@ -44,7 +49,7 @@ def enqueue_rollouts(queue: Queue, rollout_ids: Sequence[str], *, at_front: bool
                 kwargs={"rollout_id": rid},
                 description=f"rollout {rid}",
                 result_ttl=JOB_RESULT_TTL_S,
-                failure_ttl=7 * 86400,
+                failure_ttl=JOB_FAILURE_TTL_S,
                 at_front=at_front,
                 pipeline=pipe,
             )
@@ -55,3 +60,48 @@ async def enqueue_rollouts_async(
     queue: Queue, rollout_ids: Sequence[str], *, at_front: bool = False
 ) -> None:
     await asyncio.to_thread(enqueue_rollouts, queue, rollout_ids, at_front=at_front)
+
+
+class JobWriter:
+    """rq jobs for many rollouts, written as rq's own enqueue writes them, without its
+    per-job Python work (a Job object, a Protocol check, two date formats and a JSON
+    round trip each: half the time of a 10,000-rollout submit).
+
+    The hash fields are those of one job rq built itself (``Queue.create_job`` then its
+    ``_prepare_for_queue``), with the per-rollout fields replaced; ``tests/store`` checks
+    that rq reads back every field of a written job as it reads a job it enqueued. Relies
+    on rq's job layout (pinned >=3,<4, like the rest of store/ and workers/rq_bridge.py).
+    """
+
+    def __init__(self, queue: Queue) -> None:
+        self.queue = queue
+        template = queue.create_job(
+            JOB_FUNC,
+            kwargs={"rollout_id": "-"},
+            description="-",
+            result_ttl=JOB_RESULT_TTL_S,
+            failure_ttl=JOB_FAILURE_TTL_S,
+        )
+        queue._prepare_for_queue(template)
+        self._fields: dict[str, Any] = template.to_dict()
+        raw = JSONSerializer.dumps((template.func_name, None, [], {"rollout_id": "-"}))  # type: ignore[no-untyped-call]
+        assert raw.endswith(b'"-"}]'), raw  # the rollout id is the data's last value
+        self._data_prefix = raw[: -len(b'"-"}]')]
+
+    def shared(self) -> dict[str, Any]:
+        """The fields every job of one enqueue has in common (stamped now)."""
+        stamp = utcformat(now())
+        fields = {k: v for k, v in self._fields.items() if k not in ("data", "description")}
+        fields["created_at"] = fields["enqueued_at"] = stamp
+        return fields
+
+    def data(self, rollout_id: str) -> bytes:
+        """The job's ``data`` field: rq's JSON of (function, instance, args, kwargs). Left
+        uncompressed: rq reads an uncompressed one as it is (``Job.restore``'s fallback), and
+        zlib's set-up costs more than these ~70 bytes would save."""
+        data: bytes = self._data_prefix + json.dumps(rollout_id).encode() + b"}]"
+        return data
+
+    @staticmethod
+    def description(rollout_id: str) -> str:
+        return f"rollout {rollout_id}"

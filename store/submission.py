@@ -124,6 +124,11 @@ def build(
         dups = [r for r in rollout_ids if r in seen or seen.add(r)]  # type: ignore[func-returns-value]
         if dups:
             raise InvalidRequest(f"ids: {sorted(set(dups))[:5]} appear more than once")
+    # Once per prompt, not per sample: replace() checks the whole request again.
+    requests = [
+        r if r.group_id is not None else r.in_group(f"{batch_id}.{g}")
+        for g, r in enumerate(requests)
+    ]
     events = []
     for k, rid in enumerate(rollout_ids):
         g, s = divmod(k, n)
@@ -131,8 +136,6 @@ def build(
             batch_id=batch_id, group_index=g, sample_index=s, group_size=n, group_policy=policy
         )
         request = requests[g]
-        if request.group_id is None:
-            request = replace(request, group_id=f"{batch_id}.{g}")
         events.append(
             commands.submit(
                 rid,

@@ -13,6 +13,7 @@
 -- ARGV[6]  the status after the event
 -- ARGV[7]  tokens the event adds (0 for all but token records)
 -- ARGV[8]  the rollout id (what the completion entry names)
+-- ARGV[9]  optional, with seq 1 only: the id of the rq job enqueued with it (for ack)
 --
 -- Returns {"ok"} | {"dup"} | {"stale", live} | {"conflict", current_seq}
 --   dup:      this exact record is already at this seq (a retried write): nothing written
@@ -49,6 +50,9 @@ if seq == 1 then
   -- The submitted record is immutable: keep it beside the head so a snapshot read needs no log.
   redis.call('HSET', KEYS[2], 'seq', ARGV[1], 'live', ARGV[5], 'st', status, 'head', ARGV[4],
     'sub', ARGV[3])
+  if ARGV[9] and ARGV[9] ~= '' then
+    redis.call('HSET', KEYS[2], 'job', ARGV[9])
+  end
 else
   redis.call('HSET', KEYS[2], 'seq', ARGV[1], 'live', ARGV[5], 'st', status, 'head', ARGV[4])
 end

@@ -173,18 +173,17 @@ async def test_chat_messages_are_templated_at_submit(redis_server: RedisServer) 
         await no_tokenizer.aclose()
 
 
-async def test_ten_thousand_rollouts_take_a_bounded_number_of_transactions(
+async def test_ten_thousand_rollouts_take_a_bounded_number_of_round_trips(
     client: RolloutClient, real_redis: aredis.Redis
 ) -> None:
     await real_redis.config_resetstat()
     batch = await client.submit([f.request()] * 2500, n=4)
     assert len(batch) == 10_000
     info = await real_redis.info("commandstats")
-    # One MULTI/EXEC per 1,000 rollouts; one pipelined lookup per 1,000 ids.
-    assert info["cmdstat_exec"]["calls"] == 10
-    # The lookups (10 pipelines of 1,000), plus the batch checks (commandstats counts the
-    # commands that scripts run too).
-    assert 10_000 <= info["cmdstat_hget"]["calls"] <= 10_002
+    # One script per 1,000 rollouts and one to record the batch; a new batch whose ids it
+    # generates needs no lookups (commandstats also counts what scripts run: one HGET).
+    assert info["cmdstat_evalsha"]["calls"] == 11
+    assert info["cmdstat_hget"]["calls"] <= 2
     assert len(queued(client)) == 10_000
 
 
@@ -275,3 +274,26 @@ async def test_submitted_rollouts_count_as_pending(client: RolloutClient) -> Non
     await client.submit([f.request()] * 3, n=2)
     stats = await client.stats()
     assert stats.by_state[Status.PENDING] == 6 and stats.queues == {"rollouts": 6}
+
+
+async def test_jobs_written_at_submit_read_back_as_rq_enqueues_them(
+    client: RolloutClient,
+) -> None:
+    from rq.job import Job
+
+    from store.queue import JOB_FUNC, enqueue_rollouts
+
+    batch = await client.submit([f.request()], ids=["fast"])
+    q: Queue = client._queue
+    enqueue_rollouts(q, ["slow"])  # rq's own enqueue, for comparison
+    fast_id, slow_id = q.job_ids
+    fast = Job.fetch(fast_id, connection=q.connection, serializer=q.serializer)
+    slow = Job.fetch(slow_id, connection=q.connection, serializer=q.serializer)
+    assert await client.redis.hget(client.keys.snapshot(batch[0]), "job") == fast_id.encode()
+    for job, rid in ((fast, "fast"), (slow, "slow")):
+        assert (job.func_name, job.args, job.kwargs) == (JOB_FUNC, [], {"rollout_id": rid})
+        assert job.description == f"rollout {rid}"
+    same = ("origin", "timeout", "result_ttl", "failure_ttl", "ttl", "meta", "retries_left")
+    assert {a: getattr(fast, a) for a in same} == {a: getattr(slow, a) for a in same}
+    assert fast.get_status() == slow.get_status() == "queued"
+    assert fast.enqueued_at is not None and fast.created_at is not None
