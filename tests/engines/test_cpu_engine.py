@@ -32,7 +32,10 @@ def request(request_id: str, prompt: tuple[int, ...] = PROMPT, n: int = 16) -> E
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=prompt,
-        sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        # Long ones (n=5000) keep a stream open: generate what fits the context.
+        sampling=SamplingParams(
+            max_tokens=n, temperature=0.0, ignore_eos=True, cap_to_context=True
+        ),
     )
 
 
@@ -202,5 +205,6 @@ def test_a_request_the_core_cannot_take_fails_alone(tiny_moe_dir: Path) -> None:
         core.round()
         out += core.take_output()
     [error] = [m for m in out if m[1] == 1]
-    assert error[:3] == ["error", 1, "EngineError"] and "no_such_parameter" in error[3]
+    # A request the core cannot take is the request's fault: rejected, never retried.
+    assert error[:3] == ["error", 1, "RequestRejected"] and "no_such_parameter" in error[3]
     assert [m[0] for m in out if m[1] == 2] == ["chunk"] * 4

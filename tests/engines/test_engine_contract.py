@@ -208,7 +208,9 @@ async def test_abort_mid_stream(engine: Engine, prompts) -> None:
     request = EngineRequest(
         request_id="long",
         prompt_token_ids=tuple(prompts[0]),
-        sampling=SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True),
+        sampling=SamplingParams(
+            max_tokens=2000, temperature=0.0, ignore_eos=True, cap_to_context=True
+        ),
     )
     stream = engine.generate(request)
     received = [await anext(stream) for _ in range(3)]
@@ -236,7 +238,9 @@ async def test_abort_before_generate_ends_that_request_unrun(engine: Engine, pro
         EngineRequest(
             request_id="early",
             prompt_token_ids=tuple(prompts[0]),
-            sampling=SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True),
+            sampling=SamplingParams(
+                max_tokens=2000, temperature=0.0, ignore_eos=True, cap_to_context=True
+            ),
         )
     )
     with pytest.raises(RequestAborted):
@@ -255,7 +259,9 @@ async def test_abort_from_another_task(engine: Engine, prompts) -> None:
             EngineRequest(
                 request_id="bg",
                 prompt_token_ids=tuple(prompts[1]),
-                sampling=SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True),
+                sampling=SamplingParams(
+                    max_tokens=2000, temperature=0.0, ignore_eos=True, cap_to_context=True
+                ),
             )
         ):
             got.extend(chunk.token_ids.tolist())
