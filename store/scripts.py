@@ -2,8 +2,9 @@
 
 Calls go straight to EVALSHA. redis-py's ``Script`` objects add a coroutine and a
 ``SCRIPT EXISTS`` round trip per pipeline, which measurably costs at checkpoint rates; instead
-a NOSCRIPT reply (first use, or a server restart that emptied the script cache) loads the
-script and the call is repeated, which is safe because every script here is idempotent.
+a NOSCRIPT reply (first use, or a server restart that emptied the script cache) repeats the
+call by the script's text (EVAL, which caches it too), which is safe because every script here
+is idempotent.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ class Script:
                 "EVALSHA", self.sha, len(keys), *keys, *args
             )
         except NoScriptError:
-            # The server has not seen it yet (or restarted): load, then run it once more.
-            await client.script_load(self.text)
+            # The server has not seen it yet (or restarted): run it by its text, which also
+            # caches it (a SCRIPT LOAD then EVALSHA could meet a restart in between).
             return await client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", self.sha, len(keys), *keys, *args
+                "EVAL", self.text, len(keys), *keys, *args
             )
 
     async def many(
@@ -51,9 +52,8 @@ class Script:
         replies = await self._pipelined(client, calls)
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if missing:
-            # As above; only the calls that hit NOSCRIPT are repeated.
-            await client.script_load(self.text)
-            again = await self._pipelined(client, [calls[i] for i in missing])
+            # As above, by the script's text; only the calls that hit NOSCRIPT are repeated.
+            again = await self._pipelined(client, [calls[i] for i in missing], by_text=True)
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         for reply in replies:
@@ -62,11 +62,16 @@ class Script:
         return replies
 
     async def _pipelined(
-        self, client: Redis, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]]
+        self,
+        client: Redis,
+        calls: Sequence[tuple[Sequence[str], Sequence[Arg]]],
+        *,
+        by_text: bool = False,
     ) -> list[Any]:
+        command, body = ("EVAL", self.text) if by_text else ("EVALSHA", self.sha)
         async with client.pipeline(transaction=False) as pipe:
             for keys, args in calls:
-                pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+                pipe.execute_command(command, body, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
 
 
@@ -76,8 +81,9 @@ def run_sync(client: SyncRedis, script: Script, keys: Sequence[str], args: Seque
     try:
         return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
     except NoScriptError:
-        client.script_load(script.text)
-        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+        # EVAL, not SCRIPT LOAD then EVALSHA: a server restarting in between (its script cache
+        # is not persisted) would refuse the EVALSHA again. EVAL caches it as well.
+        return client.execute_command("EVAL", script.text, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
 
 
 APPEND = Script("append")
