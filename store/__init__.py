@@ -1,4 +1,4 @@
-"""Redis-backed storage: the fenced event store, keys, and (later) queue, client and HTTP API."""
+"""Redis-backed storage: the fenced event store, keys, leases, the rq queue, and the trainer API."""
 
 from __future__ import annotations
 
