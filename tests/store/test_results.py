@@ -21,15 +21,6 @@ from tests.damage import damage_event
 from tests.store.trainer import checkpoint, dump, finish, start
 
 
-@pytest.fixture
-async def client(
-    redis_server: RedisServer, real_redis: aredis.Redis
-) -> AsyncIterator[RolloutClient]:
-    c = RolloutClient(redis_server.url)
-    yield c
-    await c.aclose()
-
-
 async def collect(agen: AsyncIterator[RolloutResult], n: int) -> list[RolloutResult]:
     out = []
     async for r in agen:

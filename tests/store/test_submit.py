@@ -5,7 +5,6 @@ enqueue commands, which is what these tests are about."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -27,15 +26,6 @@ from store.redis_server import RedisServer
 from store.submission import ChatRequest
 from tests import factories as f
 from tests.store.trainer import dump
-
-
-@pytest.fixture
-async def client(
-    redis_server: RedisServer, real_redis: aredis.Redis
-) -> AsyncIterator[RolloutClient]:
-    c = RolloutClient(redis_server.url)
-    yield c
-    await c.aclose()
 
 
 def queued(client: RolloutClient) -> list[str]:
