@@ -3,7 +3,7 @@
 rq 3.0's ``BaseWorker`` tracks several executions per worker, so we reuse its bookkeeping
 (registration, executions, heartbeats, success/failure registries) and never its ``work()``
 loop, which would run one job at a time. rq is synchronous and its worker object is not
-thread-safe: every call that touches the worker runs on one dedicated thread (``_bk``); the
+thread-safe: every call that touches the worker runs on one dedicated thread (``_books``); the
 blocking dequeue has its own thread so it never delays a heartbeat.
 """
 
@@ -67,6 +67,10 @@ class TakenJob:
     execution: Execution
     rollout_id: str = ""
     problem: str | None = None
+    # Set on the bookkeeping thread once rq has the job's outcome: a heartbeat queued behind
+    # that bookkeeping must not touch the job again (its HSET would recreate a job that an
+    # acknowledgement deleted in between, as a bare hash with no TTL).
+    ended: bool = False
 
 
 def job_problem(job: Job) -> tuple[str, str | None]:
@@ -180,6 +184,8 @@ class RqBridge:
             with self.connection.pipeline() as pipe:
                 self.worker.heartbeat(ttl * 2, pipeline=pipe)
                 for r in list(self.running.values()):
+                    if r.ended:
+                        continue
                     r.execution.heartbeat(r.queue.started_job_registry, ttl, pipeline=pipe)
                     r.job.heartbeat(now(), ttl, pipeline=pipe)
                 pipe.execute()
@@ -345,6 +351,7 @@ class RqBridge:
                     self.worker.cleanup_execution(r.job, pipeline=pipe, execution=r.execution)
                     pipe.execute()
                 self._idle_if_empty()
+            r.ended = True
 
         await self._books(guarded)
         # Only once rq has it: until then the heartbeat keeps the execution alive, so a call
