@@ -8,9 +8,15 @@ functions so `rollouts --help` is instant.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from redis.exceptions import RedisError, ResponseError
+
+from store.errors import InvalidRedisUrl, InvalidRolloutId
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +29,9 @@ class Command:
 
 def _configure_make_tiny_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="directory to write the model into (created if missing)")
-    parser.add_argument("--moe", action="store_true", help="Qwen3-MoE (8 experts, top-2)")
+    parser.add_argument(
+        "--moe", action="store_true", help="Qwen3-MoE (8 experts, top-2), not dense (a switch)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
 
 
@@ -36,42 +44,63 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configure_worker(parser: argparse.ArgumentParser) -> None:
-    from workers import worker_cli  # noqa: PLC0415
+def _lazy(module: str, configure: str, run: str) -> tuple[
+    Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
+]:
+    """A subcommand whose module is imported only when it is used (or its --help shown)."""
 
-    worker_cli.configure(parser)
+    def _configure(parser: argparse.ArgumentParser) -> None:
+        getattr(importlib.import_module(module), configure)(parser)
 
+    def _run(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(module), run)(args))
 
-def _run_worker(args: argparse.Namespace) -> int:
-    from workers import worker_cli  # noqa: PLC0415
-
-    return worker_cli.run(args)
-
-
-def _configure_demo(parser: argparse.ArgumentParser) -> None:
-    from workers import demo  # noqa: PLC0415
-
-    demo.configure(parser)
+    return _configure, _run
 
 
-def _run_demo(args: argparse.Namespace) -> int:
-    from workers import demo  # noqa: PLC0415
-
-    return demo.run(args)
+def _command(name: str, help: str, module: str, suffix: str = "") -> Command:
+    configure, run = _lazy(module, f"configure{suffix}", f"run{suffix}")
+    return Command(name=name, help=help, configure=configure, run=run)
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command(
-        name="demo",
-        help="end-to-end demo on a tiny local model: stop a worker mid-run, lose nothing",
-        configure=_configure_demo,
-        run=_run_demo,
+    _command(
+        "demo",
+        "end-to-end demo on a tiny local model: stop a worker mid-run, lose nothing",
+        "workers.demo",
     ),
-    Command(
-        name="worker",
-        help="run a worker: a resident engine generating up to N rollouts at once from rq",
-        configure=_configure_worker,
-        run=_run_worker,
+    _command(
+        "worker",
+        "run a worker: a resident engine generating up to N rollouts at once from rq",
+        "workers.worker_cli",
+    ),
+    _command(
+        "api",
+        "serve the trainer API over HTTP (JSON or msgpack), with /openapi.json and /metrics",
+        "store.api.cli",
+    ),
+    _command(
+        "status",
+        "rollouts by state, queue depth, and every worker's load, weights and heartbeat",
+        "workers.ops_cli",
+        "_status",
+    ),
+    _command(
+        "show", "one rollout's history as a timeline: attempts, aborts, weights", "workers.ops_cli",
+        "_show",
+    ),
+    _command(
+        "stuck",
+        "rollouts that will not progress by themselves: no job, quarantined, lease expired",
+        "workers.ops_cli",
+        "_stuck",
+    ),
+    _command("cancel", "cancel rollouts by id or a whole batch", "workers.ops_cli", "_cancel"),
+    _command(
+        "requeue",
+        "give a stuck or quarantined rollout a job again (it resumes from its saved tokens)",
+        "workers.ops_cli",
+        "_requeue",
     ),
     Command(
         name="make-tiny-model",
@@ -86,17 +115,63 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollouts", description="durable-rollouts: durable, event-sourced LLM generation"
     )
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
         command.configure(sub)
+        # Also after the command (`rollouts show X --debug`); SUPPRESS, or the subcommand's
+        # default would overwrite a `rollouts --debug show X`.
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help=_DEBUG_HELP)  # fmt: skip
         sub.set_defaults(_run=command.run)
     return parser
 
 
+_DEBUG_HELP = "on an error, print its traceback too, not only the one-line message (a switch)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Its error is one line on stderr (``rollouts CMD: error: ...``) and exit
+    code 1, or 2 for a usage or configuration error; ``--debug`` adds the traceback."""
     args = build_parser().parse_args(argv)
-    return int(args._run(args))
+    try:
+        return int(args._run(args))
+    except Exception as exc:
+        # Every failure of every command ends here: an operator reads one line, not a traceback.
+        # A long-running process (worker, api, demo) that dies of something unforeseen keeps
+        # its traceback in its log all the same: that is the bug report.
+        if args.debug or (args.command in SERVICES and not _foreseen(exc)):
+            traceback.print_exc()
+        print(f"rollouts {args.command}: error: {_describe(exc)}", file=sys.stderr, flush=True)
+        return _exit_code(exc)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, RedisError) and not isinstance(exc, ResponseError):
+        # redis-py's message names host and port, never the URL or its password.
+        return f"Redis: {exc}"
+    return str(exc) or type(exc).__name__
+
+
+# Commands that run until stopped, under a supervisor whose log is all there is after a crash.
+SERVICES = frozenset({"worker", "api", "demo"})
+
+
+def _foreseen(exc: Exception) -> bool:
+    """An error the message says all about: Redis unreachable, a bad URL or id, or one a
+    command raised on purpose with its exit code."""
+    return isinstance(exc, RedisError | InvalidRedisUrl | InvalidRolloutId) or isinstance(
+        getattr(exc, "exit_code", None), int
+    )
+
+
+def _exit_code(exc: Exception) -> int:
+    code = getattr(exc, "exit_code", None)
+    if isinstance(code, int):
+        return code
+    # A URL or a rollout id that cannot be used: bad input, as argparse's own errors.
+    return 2 if isinstance(exc, InvalidRedisUrl | InvalidRolloutId) else 1
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         parser, otherwise="start a redis-server of its own", use_env=False
     )
     parser.add_argument("--model", help="model directory (default: build the tiny MoE model)")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--max-tokens", type=int, default=48, help="tokens each demo rollout generates (default 48)"
+    )
 
 
 def _cache_dir() -> Path:

@@ -1,0 +1,120 @@
+"""``rollouts api``: serve the trainer API over HTTP until SIGTERM/SIGINT.
+
+Heavy imports (aiohttp, pydantic, prometheus_client) happen in ``run``, so ``rollouts --help``
+stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from store import defaults
+from store.connection import DEFAULT_URL, redact
+from store.errors import InvalidRedisUrl
+from store.logs import LOG_FORMATS
+
+TOKEN_ENV = "ROLLOUTS_API_TOKEN"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+# A 100,000-rollout submit (the most one takes) of 64-token prompts is ~25 MB of JSON.
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from workers import redis_options  # noqa: PLC0415
+
+    redis_options.add_arguments(parser, otherwise=DEFAULT_URL)
+    parser.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to listen on (default {DEFAULT_HOST}: this machine only; 0.0.0.0 "
+        "exposes the API: set a token)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})"
+    )
+    parser.add_argument(
+        "--token",
+        help=f"bearer token every endpoint but /healthz and /openapi.json requires (default: "
+        f"${TOKEN_ENV}, else none: no authentication). Visible in `ps`: prefer the variable",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body; a larger one gets 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--queue",
+        default=defaults.QUEUE_NAME,
+        help=f"rq queue the submitted rollouts go to (default {defaults.QUEUE_NAME})",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="local tokenizer directory (HF layout) whose chat template turns chat messages "
+        "into prompt token ids (default: none; prompts must then be token ids)",
+    )
+    parser.add_argument(
+        "--log-format", choices=LOG_FORMATS, default="text",
+        help="text for people, json (one object per line) for log shippers (default text)",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from store import logs  # noqa: PLC0415
+    from workers import redis_options  # noqa: PLC0415
+
+    logs.configure(args.log_format)
+    try:
+        url = redis_options.resolve(args) or DEFAULT_URL
+    except InvalidRedisUrl as exc:
+        return _refuse(str(exc))  # names the file, never the URL
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
+    if token is not None and not token.strip():
+        return _refuse(f"the API token (--token or ${TOKEN_ENV}) is empty")
+    if args.max_body_bytes < 1024:
+        return _refuse(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    problem = redis_options.check(url)
+    if problem is not None:
+        return _refuse(problem)
+    return _serve(args, url, token)
+
+
+def _serve(args: argparse.Namespace, url: str, token: str | None) -> int:
+    from aiohttp import web  # noqa: PLC0415
+
+    from store.client import RolloutClient  # noqa: PLC0415
+    from store.logs import log_event  # noqa: PLC0415
+
+    from .app import make_app  # noqa: PLC0415
+
+    log = logging.getLogger("rollouts.api")
+    tokenizer: Any = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+
+    async def app() -> web.Application:
+        client = RolloutClient(url, queue_name=args.queue, tokenizer=tokenizer)
+        return make_app(client, token=token, max_body_bytes=args.max_body_bytes,
+                        close_client=True)  # fmt: skip
+
+    log_event(log, logging.INFO, "start", "API listening", host=args.host, port=args.port,
+              redis=redact(url), auth=token is not None, queue=args.queue)  # fmt: skip
+    try:
+        web.run_app(app(), host=args.host, port=args.port, access_log=None, print=None)
+    except OSError as exc:  # the port is taken, or the address is not this machine's
+        return _refuse(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    return 0
+
+
+def _refuse(message: str) -> int:
+    """One line on stderr, exit 2 (a configuration error, as argparse's): no traceback."""
+    print(f"rollouts api: error: {message}", file=sys.stderr, flush=True)
+    return 2

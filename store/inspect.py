@@ -1,0 +1,349 @@
+"""What an operator asks of a deployment, read straight from Redis: no API, no worker needed.
+
+Pure reads. ``cluster_status`` is the trainer's ``stats`` plus the weights and the leases;
+``rollouts_now`` is what holds one rollout right now (its lease, its rq jobs, the quarantine);
+``find_stuck`` lists the rollouts nothing will move on by itself:
+
+- waiting (pending or aborted) with no rq job that would run it (its job was deleted or lost);
+- quarantined by a reaper (``Leases.quarantine``: it could not be read), with the reason;
+- live with an expired lease (its worker is gone and no reaper is running to notice), or live
+  with no lease at all (nothing would ever notice), and no job waiting to take it over.
+
+Every read of the cluster is a snapshot of a moving system: a reaper aborts a rollout, then
+enqueues it, a few milliseconds apart. ``find_stuck`` therefore looks twice, ``RECHECK_S``
+apart, and reports a rollout only if it was stuck the same way both times at the same seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from redis import Redis as SyncRedis
+from rq.intermediate_queue import IntermediateQueue
+from rq.job import Job
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+
+from statemachine import LIVE, TERMINAL, WAITING, RolloutState, Status
+from store.client import RolloutClient
+from store.event_store import HEAD, JOB, STATUS, SUBMITTED, EventStore
+from store.keys import Keys
+from store.leases import Leases, now_ms
+from store.queue import rollout_queue
+from store.stats import WorkerBeat
+from store.weights import WeightVersion
+
+# Seconds between the two looks of ``find_stuck``: far longer than the gap between a reaper's
+# abort and its enqueue (one round trip), short enough for a command someone waits on.
+RECHECK_S = 0.5
+_SCAN_COUNT = 1000  # keys per SCAN step: one round trip per thousand keys of the keyspace
+_FETCH_CHUNK = 500  # rq jobs decoded per round trip when a job's rollout must be read
+
+
+# -- the cluster ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    beat: WorkerBeat
+    lag: int | None  # weight versions behind the latest published (None: unknown)
+    heartbeat_age_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    by_state: dict[Status, int]  # live states: now; terminal states: ever
+    tokens: int
+    queues: dict[str, int]
+    workers: list[WorkerView]
+    latest: WeightVersion | None
+    leases: int  # leases held (generating rollouts)
+    expired_leases: int  # of which expired: a reaper takes them back within a pass
+    quarantined: int
+
+
+async def cluster_status(client: RolloutClient) -> ClusterStatus:
+    stats = await client.stats()
+    latest = await client.weights.latest()
+    keys = client.keys
+    async with client.redis.pipeline(transaction=False) as pipe:
+        pipe.zcard(keys.leases())
+        pipe.zcount(keys.leases(), "-inf", now_ms())
+        pipe.hlen(keys.quarantine())
+        leases, expired, quarantined = await pipe.execute()
+    now = time.time()
+    workers = [
+        WorkerView(
+            beat=w,
+            lag=None
+            if latest is None or w.weight_version is None
+            else max(0, latest.version - w.weight_version),
+            heartbeat_age_s=max(0.0, w.age_s(now)),
+        )
+        for w in stats.workers
+    ]
+    return ClusterStatus(
+        by_state=stats.by_state,
+        tokens=stats.tokens,
+        queues=stats.queues,
+        workers=workers,
+        latest=latest,
+        leases=int(leases),
+        expired_leases=int(expired),
+        quarantined=int(quarantined),
+    )
+
+
+# -- rq jobs ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class JobView:
+    job_id: str
+    queue: str
+    where: str  # queued | dequeuing (taken off the queue, not started yet) | started
+    alive: bool  # started: its execution's heartbeat is current; otherwise True
+    worker: str | None = None  # started: the rq worker running it
+
+
+def jobs_by_rollout(
+    conn: SyncRedis, recorded: Mapping[str, str | None]
+) -> dict[str, list[JobView]]:
+    """The rq jobs, on any queue, that would run each rollout of ``recorded`` (rollout id ->
+    the job id its snapshot recorded at submit, if any). Blocking: rq is synchronous.
+
+    Every queue, its dequeue list and its started registry are read in one MULTI, so a job
+    moving between them (a requeue, a dequeue) is seen exactly once. A job the reaper or an
+    operator enqueued later has an id no snapshot records: such jobs are decoded (rq's own
+    ``Job.fetch_many``) only while some rollout is still without a recorded job."""
+    prefix = Queue.redis_queue_namespace_prefix  # the set holds queue keys, not names
+    keys = conn.smembers(Queue.redis_queues_keys)
+    names = sorted(k.decode().removeprefix(prefix) for k in keys)  # type: ignore[union-attr]
+    queues = [rollout_queue(conn, n) for n in names]
+    with conn.pipeline(transaction=True) as pipe:
+        for q in queues:
+            pipe.lrange(q.key, 0, -1)
+            pipe.lrange(IntermediateQueue(q.key, conn).key, 0, -1)
+            pipe.zrange(q.started_job_registry.key, 0, -1, withscores=True)
+        replies = pipe.execute()
+    now = time.time()
+    seen: list[JobView] = []
+    for i, q in enumerate(queues):
+        queued, dequeuing, started = replies[3 * i : 3 * i + 3]
+        seen += [JobView(j.decode(), q.name, "queued", True) for j in queued]
+        seen += [JobView(j.decode(), q.name, "dequeuing", True) for j in dequeuing]
+        for member, score in started:
+            job_id = q.started_job_registry.parse_job_id(member)
+            seen.append(JobView(job_id, q.name, "started", float(score) > now))
+    owner = {job: rid for rid, job in recorded.items() if job}
+    found = _match(seen, owner, recorded)
+    unknown = {v.job_id for v in seen if v.job_id not in owner}
+    if unknown and not all(found.values()):
+        owner.update(_rollouts_of(conn, unknown))
+        found = _match(seen, owner, recorded)
+    return {rid: _with_workers(conn, jobs) for rid, jobs in found.items()}
+
+
+def _match(
+    seen: Iterable[JobView], owner: Mapping[str, str], wanted: Iterable[str]
+) -> dict[str, list[JobView]]:
+    found: dict[str, list[JobView]] = {rid: [] for rid in wanted}
+    for v in seen:
+        rid = owner.get(v.job_id)
+        if rid is not None and rid in found:
+            found[rid].append(v)
+    return found
+
+
+def _rollouts_of(conn: SyncRedis, job_ids: Iterable[str]) -> dict[str, str]:
+    """job id -> the rollout id its payload names, for rollout jobs (anything else is left
+    out: anyone who can write to Redis can enqueue anything)."""
+    ids = sorted(job_ids)
+    out: dict[str, str] = {}
+    for start in range(0, len(ids), _FETCH_CHUNK):
+        chunk = ids[start : start + _FETCH_CHUNK]
+        for job in Job.fetch_many(chunk, connection=conn, serializer=JSONSerializer):
+            if job is None:
+                continue
+            try:
+                rid = job.kwargs.get("rollout_id")
+            except Exception:
+                # An undecodable payload: not one of ours (the worker refuses it too).
+                continue
+            if isinstance(rid, str):
+                out[job.id] = rid
+    return out
+
+
+def _with_workers(conn: SyncRedis, jobs: list[JobView]) -> list[JobView]:
+    started = [j for j in jobs if j.where == "started"]
+    if not started:
+        return jobs
+    with conn.pipeline(transaction=False) as pipe:
+        for j in started:
+            pipe.hget(Job.key_for(j.job_id), "worker_name")
+        names = dict(zip((j.job_id for j in started), pipe.execute(), strict=True))
+    return [
+        j
+        if j.where != "started" or not names[j.job_id]
+        else JobView(j.job_id, j.queue, j.where, j.alive, names[j.job_id].decode())
+        for j in jobs
+    ]
+
+
+# -- one rollout, now -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RolloutNow:
+    rollout_id: str
+    state: RolloutState | None  # None: no such rollout, or ``problem`` says why unreadable
+    problem: str | None
+    lease_expiry_ms: int | None
+    quarantine: str | None  # the reason a reaper set it aside
+    jobs: list[JobView]
+
+    @property
+    def live_jobs(self) -> list[JobView]:
+        return [j for j in self.jobs if j.alive]
+
+    def lease_left_s(self, at_ms: int | None = None) -> float | None:
+        if self.lease_expiry_ms is None:
+            return None
+        return (self.lease_expiry_ms - (at_ms if at_ms is not None else now_ms())) / 1000
+
+
+async def rollouts_now(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -> list[RolloutNow]:
+    """What each rollout of ``ids`` is and what holds it, in a few round trips."""
+    keys = store.keys
+    async with store.redis.pipeline(transaction=True) as pipe:
+        for rid in ids:
+            pipe.hmget(keys.snapshot(rid), [HEAD, SUBMITTED, JOB])
+            pipe.zscore(keys.leases(), rid)
+        if ids:
+            pipe.hmget(keys.quarantine(), list(ids))
+        replies = await pipe.execute()
+    heads: dict[str, RolloutState | None] = {}
+    problems: dict[str, str] = {}
+    recorded: dict[str, str | None] = {}
+    for i, rid in enumerate(ids):
+        head, sub, job = replies[2 * i]
+        recorded[rid] = job.decode() if job else None
+        heads[rid] = None
+        if head is not None and sub is not None:
+            try:
+                heads[rid] = store.decode_head(rid, head, sub)
+            except Exception as exc:
+                # Damaged or from newer code: shown with the reason, never a crash of the list.
+                problems[rid] = f"{type(exc).__name__}: {exc}"
+    jobs = await asyncio.to_thread(jobs_by_rollout, conn, recorded)
+    reasons = replies[-1] if ids else []
+    out = []
+    for i, rid in enumerate(ids):
+        score = replies[2 * i + 1]
+        reason = reasons[i]
+        out.append(
+            RolloutNow(
+                rollout_id=rid,
+                state=heads[rid],
+                problem=problems.get(rid),
+                lease_expiry_ms=None if score is None else int(score),
+                quarantine=None if reason is None else reason.decode(errors="replace"),
+                jobs=jobs[rid],
+            )
+        )
+    return out
+
+
+# -- stuck rollouts ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StuckRollout:
+    rollout_id: str
+    status: str  # a Status value, or "unreadable" / "missing" (quarantined ones only)
+    kind: str  # quarantined | lease_expired | no_lease | no_job
+    why: str
+    seq: int  # the log position it was seen stuck at (0 when unreadable)
+    queue: str | None
+    worker_id: str | None
+    tokens: int
+
+
+def stuck_reason(now: RolloutNow, at_ms: int) -> StuckRollout | None:
+    """Why the rollout will not move on by itself, or None. Pure."""
+    s = now.state
+    if now.quarantine is not None:
+        return _stuck(now, "quarantined", f"quarantined: {now.quarantine}")
+    if s is None or s.status in TERMINAL:
+        return None
+    if s.status in LIVE:
+        left = now.lease_left_s(at_ms)
+        if any(j.where != "started" for j in now.jobs):
+            return None  # a job waits: whoever takes it takes the attempt over
+        if left is None:
+            why = (
+                f"attempt {s.attempt} on worker {s.worker_id} is live but nobody holds its "
+                "lease: no reaper will notice if that worker is gone"
+            )
+            return _stuck(now, "no_lease", why)
+        if left <= 0:
+            why = (
+                f"lease of worker {s.worker_id} (attempt {s.attempt}) expired {-left:.1f} s "
+                "ago and no reaper took it back (no worker running?)"
+            )
+            return _stuck(now, "lease_expired", why)
+        return None
+    if s.status in WAITING and not now.live_jobs:
+        gone = [f"{j.job_id} ({j.where} on {j.queue}, heartbeat lapsed)" for j in now.jobs]
+        why = f"{s.status.value} with {s.num_tokens} saved tokens and no rq job to run it"
+        return _stuck(now, "no_job", why + (f"; only {', '.join(gone)}" if gone else ""))
+    return None
+
+
+def _stuck(now: RolloutNow, kind: str, why: str) -> StuckRollout:
+    s = now.state
+    if s is None:
+        status = "unreadable" if now.problem else "missing"
+        return StuckRollout(now.rollout_id, status, kind, why, 0, None, None, 0)
+    return StuckRollout(
+        now.rollout_id, s.status.value, kind, why, s.seq, s.queue, s.worker_id, s.num_tokens
+    )
+
+
+async def find_stuck(
+    store: EventStore, conn: SyncRedis, *, recheck_s: float = RECHECK_S
+) -> list[StuckRollout]:
+    """Every stuck rollout, by rollout id (see the module docstring for what counts)."""
+    first = await _stuck_of(store, conn, await _candidates(store))
+    if not first:
+        return []
+    await asyncio.sleep(recheck_s)
+    second = {s.rollout_id: s for s in await _stuck_of(store, conn, [s.rollout_id for s in first])}
+    return [
+        again
+        for s in first
+        if (again := second.get(s.rollout_id)) is not None
+        and (again.kind, again.seq) == (s.kind, s.seq)
+    ]
+
+
+async def _stuck_of(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -> list[StuckRollout]:
+    at = now_ms()
+    found = [stuck_reason(n, at) for n in await rollouts_now(store, conn, ids)]
+    return [s for s in found if s is not None]
+
+
+async def _candidates(store: EventStore) -> list[str]:
+    """Rollouts that have not ended (their snapshot's status), the quarantined and the
+    leased ones: a SCAN of the snapshots, never a KEYS."""
+    keys: Keys = store.keys
+    pattern = keys.snapshot("*")  # "*" is a legal id, and so the glob of every snapshot key
+    prefix, suffix = pattern.split("*")
+    names: list[str] = []
+    async for key in store.redis.scan_iter(match=pattern, count=_SCAN_COUNT, _type="hash"):
+        names.append(key.decode()[len(prefix) : -len(suffix)])
+    ended = {s.value.encode() for s in TERMINAL}
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for rid in names:
+            pipe.hget(keys.snapshot(rid), STATUS)
+        statuses = await pipe.execute()
+    ids = [rid for rid, st in zip(names, statuses, strict=True) if st not in ended]
+    ids += (await Leases(store.redis, keys).quarantined()).keys()
+    ids += [m.decode() for m in await store.redis.zrange(keys.leases(), 0, -1)]
+    return sorted(set(ids))
