@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from statemachine import Event, RolloutState
@@ -60,6 +60,9 @@ class Checkpointer:
         self._urgent = asyncio.Event()  # something that must not wait for a flush point
         self._task: asyncio.Task[None] | None = None
         self.round_trips = 0
+        # Given each round trip's seconds (the worker's checkpoint latency histogram): one
+        # call per group commit, never per token.
+        self.observe: Callable[[float], None] | None = None
         # The worker's flush points, numbered: each rollout checkpoints at its next chunk once
         # the current number differs from the one it last flushed at.
         self.flush_points = 0
@@ -150,6 +153,7 @@ class Checkpointer:
         return sum(1 for entry in self._queue if entry[3])
 
     async def _flush(self, batch: list[_Entry]) -> None:
+        t0 = time.perf_counter()
         try:
             results = await self.store.append_many(
                 [(state, events) for state, events, _, _ in batch]
@@ -162,6 +166,8 @@ class Checkpointer:
                     future.set_exception(exc)
             return
         self.round_trips += 1
+        if self.observe is not None:
+            self.observe(time.perf_counter() - t0)
         for (_, _, future, _), result in zip(batch, results, strict=True):
             if future.done():
                 continue  # its caller was cancelled meanwhile

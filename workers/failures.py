@@ -28,6 +28,7 @@ from statemachine import (
 from store import EventStore
 from store.batches import info_async
 from store.lifecycle import cancel
+from store.logs import log_event
 
 log = logging.getLogger("rollouts.failures")
 
@@ -47,18 +48,25 @@ async def record_failure(
     failure: FailureClass,
     *,
     before: Sequence[Event] = (),
+    worker_id: str = "",
+    why: str = "",
 ) -> RolloutState:
     """Append ``before`` then ``Failed`` in one atomic chain, then apply the group policy.
-    Raises ``AppendRefused`` (nothing written) if the rollout moved on meanwhile."""
+    Raises ``AppendRefused`` (nothing written) if the rollout moved on meanwhile.
+    ``worker_id``: the worker recording it (for its log line; not always the attempt's);
+    ``why``: what its log line says led to it (default: the number of attempts)."""
     after = state
     for event in before:
         after = apply(after, event)  # the state ``Failed`` follows; the store checks it again
     [done] = await store.append_many([(state, [*before, commands.fail(after, error, failure)])])
     if not isinstance(done, RolloutState):
         raise done
-    log.error(
-        "rollout %s failed (%s) after %d attempt(s): %s",
-        state.rollout_id, failure.value, done.attempt, error,
+    log_event(
+        log, logging.ERROR, "failure",
+        f"rollout {state.rollout_id} attempt {done.attempt} failed "
+        f"{why or f'after {done.attempt} attempt(s)'} ({failure.value}): {error}",
+        rollout_id=state.rollout_id, attempt=done.attempt, worker=worker_id,
+        failure=failure.value, error=error,
     )  # fmt: skip
     await cancel_siblings(store, done)
     return done

@@ -31,13 +31,16 @@ from statemachine import (
     CorruptRecord,
     FailureClass,
     RolloutState,
+    Status,
     commands,
 )
 from store import AppendRefused, EventStore, RolloutNotFound, defaults, stats
 from store.leases import Leases
+from store.logs import log_event
 from store.queue import enqueue_rollouts_async, rollout_queue
 from workers.failures import record_failure, worker_lost_aborts
 from workers.rq_bridge import RqBridge
+from workers.runner import Stats
 
 log = logging.getLogger("rollouts.reaper")
 
@@ -55,8 +58,13 @@ class Reaper:
         jobs: RqBridge | None = None,
         *,
         max_worker_lost: int = defaults.MAX_WORKER_LOST,
+        worker_id: str = "",
+        stats: Stats | None = None,
     ) -> None:
         self.store = store
+        self.worker_id = worker_id  # the worker this reaper runs in (for its log lines)
+        # Its worker's counters: the aborts and failures it records are that worker's.
+        self.stats = stats if stats is not None else Stats()
         self.leases = leases
         self.connection = connection  # rq's (synchronous) connection
         self.jobs = jobs  # the worker's rq bridge: abandoned jobs of its queues go back
@@ -109,10 +117,13 @@ class Reaper:
         # (so on workers serving its model). If the job in fact survived, the duplicate finds
         # the rollout taken (or done) and does nothing.
         await enqueue_rollouts_async(self._queue(state), [rid], at_front=True)
-        log.warning(
-            "rollout %s attempt %d: lease of worker %s expired; aborted (worker_lost), "
-            "requeued on %s",
-            rid, state.attempt, state.worker_id, state.queue,
+        log_event(
+            log, logging.WARNING, "reaped",
+            f"rollout {rid} attempt {state.attempt}: lease of worker {state.worker_id} "
+            f"expired; aborted (worker_lost), requeued on {state.queue}",
+            rollout_id=rid, attempt=state.attempt, worker=self.worker_id,
+            lost_worker=state.worker_id, reason=AbortReason.WORKER_LOST.value,
+            queue=state.queue,
         )  # fmt: skip
         return True
 
@@ -123,14 +134,20 @@ class Reaper:
         )
         count = await worker_lost_aborts(self.store, state.rollout_id) + 1
         if count < self.max_worker_lost:
-            return await self.store.append(state, lost)
+            aborted = await self.store.append(state, lost)
+            self.stats.aborted(AbortReason.WORKER_LOST)
+            return aborted
         error = (
             f"{count} workers were lost under this rollout (limit {self.max_worker_lost}); "
             f"the last was {state.worker_id}, whose lease expired"
         )
-        return await record_failure(
-            self.store, state, error, FailureClass.WORKER_LOST, before=[lost]
-        )
+        failed = await record_failure(
+            self.store, state, error, FailureClass.WORKER_LOST, before=[lost],
+            worker_id=self.worker_id,
+        )  # fmt: skip
+        self.stats.aborted(AbortReason.WORKER_LOST)
+        self.stats.end(Status.FAILED, FailureClass.WORKER_LOST)
+        return failed
 
     async def _quarantine(self, rid: str, expiry: int, exc: CodecError) -> None:
         reason = f"{type(exc).__name__}: {exc}"
@@ -138,10 +155,15 @@ class Reaper:
             # Record the failure where the snapshot is still readable, so that the trainer
             # sees the rollout end instead of waiting for it forever.
             with contextlib.suppress(Exception):
-                await self.store.fail_unreadable(rid, f"unreadable record: {reason}")
+                if await self.store.fail_unreadable(rid, f"unreadable record: {reason}"):
+                    self.stats.end(Status.FAILED, FailureClass.UNREADABLE)
         if await self.leases.quarantine(rid, expiry, reason):
             self.quarantined += 1
-            log.error("rollout %s: cannot be read, quarantined (%s)", rid, reason)
+            log_event(
+                log, logging.ERROR, "quarantine",
+                f"rollout {rid}: cannot be read, quarantined ({reason})",
+                rollout_id=rid, worker=self.worker_id, error=reason,
+            )  # fmt: skip
 
     async def _prune_workers(self) -> None:
         try:

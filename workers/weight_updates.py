@@ -26,6 +26,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from statemachine import AbortReason
+from store.logs import log_event
 from store.weights import WeightRegistry, WeightVersion
 from workers.engines.base import Engine
 from workers.engines.errors import EngineDead, EngineError
@@ -60,6 +61,9 @@ class Host(Protocol):
     engine: Engine
     admitting: asyncio.Event
     runner: RolloutRunner
+
+    @property
+    def name(self) -> str: ...
 
     def engine_died(self, error: str) -> None: ...
 
@@ -111,18 +115,23 @@ class WeightFollower:
         except EngineError as exc:
             # A bad checkpoint: the engine kept its weights. Serve on them (every token says
             # which) rather than stop; a newer publish is tried as usual.
-            log.error(
-                "weights v%d refused, still serving v%d: %s",
-                wv.version, self.worker.engine.weight_version, exc,
+            serving = self.worker.engine.weight_version
+            log_event(
+                log, logging.ERROR, "weight_refused",
+                f"weights v{wv.version} refused, still serving v{serving}: {exc}",
+                worker=self.worker.name, version=wv.version, serving=serving, error=str(exc),
             )  # fmt: skip
             self.refused = wv.version
 
     async def apply(self, wv: WeightVersion) -> None:
         worker = self.worker
         t0 = time.monotonic()
-        log.info(
-            "weights v%d -> v%d (%s mode)", worker.engine.weight_version, wv.version, self.mode
-        )
+        old = worker.engine.weight_version
+        log_event(
+            log, logging.INFO, "weight_update",
+            f"weights v{old} -> v{wv.version} ({self.mode} mode)",
+            worker=worker.name, version=wv.version, from_version=old, mode=self.mode.value,
+        )  # fmt: skip
         if self.mode is WeightMode.KEEP:
             stopped = t0
         else:
@@ -139,6 +148,13 @@ class WeightFollower:
         finally:
             worker.admitting.set()
         done = time.monotonic()
+        log_event(
+            log, logging.INFO, "weight_load",
+            f"weights v{wv.version} loaded in {done - stopped:.2f} s "
+            f"({stopped - t0:.2f} s to stop in-flight generation first)",
+            worker=worker.name, version=wv.version, from_version=old,
+            seconds=round(done - stopped, 3), stopped_seconds=round(stopped - t0, 3),
+        )  # fmt: skip
         self.updates.append(
             UpdateTiming(
                 version=wv.version,

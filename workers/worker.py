@@ -22,15 +22,26 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from statemachine import Aborted, AbortReason, CodecError, CorruptRecord, FailureClass, RolloutState
+from statemachine import (
+    Aborted,
+    AbortReason,
+    CodecError,
+    CorruptRecord,
+    FailureClass,
+    RolloutState,
+    Status,
+)
 from store import AppendRefused, EventStore, RolloutNotFound, defaults
 from store import stats as fleet
 from store.connection import connect
 from store.leases import Leases
+from store.logs import log_event
+from store.queue import rollout_queue
 from store.weights import WeightRegistry
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Engine
 from workers.failures import record_failure
+from workers.metrics import WorkerMetrics
 from workers.reaper import Reaper
 from workers.rq_bridge import RqBridge, TakenJob
 from workers.runner import Cadence, Outcome, RolloutRunner, RunResult, Stats
@@ -77,12 +88,20 @@ class _Slot:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+    def __init__(
+        self, config: WorkerConfig, engine: Engine, metrics: WorkerMetrics | None = None
+    ) -> None:
         if config.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         self.config = config
         self.engine = engine
         self.stats = Stats()
+        # Its Prometheus metrics (served only if the CLI was given --metrics-port).
+        self.metrics = metrics or WorkerMetrics(engine=type(engine).__name__)
+        self.metrics.worker = self
+        self.heartbeat_round_trips = 0
+        self.reaper: Reaper | None = None
+        self._queue_keys: dict[str, str] = {}  # queue name -> its rq list (for its depth)
         self._stopping = asyncio.Event()  # take no more jobs
         self._closing = asyncio.Event()  # background loops end
         # Failures per rollout on this worker that gave its job back (they set the backoff).
@@ -94,6 +113,10 @@ class Worker:
         self.weights: WeightFollower | None = None
         self.checkpointer: Checkpointer | None = None  # while running: its round trips count
 
+    @property
+    def name(self) -> str:
+        return self.config.name
+
     def request_stop(self) -> None:
         """Stop taking jobs; running rollouts save their progress and go back to the queue."""
         self._stopping.set()
@@ -101,7 +124,10 @@ class Worker:
     def engine_died(self, error: str) -> None:
         """The engine is gone for good: stop; every rollout here is saved and requeued."""
         if self.stats.engine_dead is None:
-            log.error("engine died (%s): stopping this worker", error)
+            log_event(
+                log, logging.ERROR, "engine_dead", f"engine died ({error}): stopping this worker",
+                worker=self.config.name, error=error,
+            )  # fmt: skip
             self.stats.engine_dead = error
         self.request_stop()
 
@@ -110,6 +136,7 @@ class Worker:
         client = connect(cfg.redis_url)
         store = EventStore(client)
         checkpointer = self.checkpointer = Checkpointer(store)
+        checkpointer.observe = self.metrics.checkpoint_seconds.observe
         leases = Leases(client)
         self.runner = RolloutRunner(
             store,
@@ -132,10 +159,15 @@ class Worker:
             execution_ttl_s=cfg.rq_execution_ttl_s,
             keys=self.store.keys,
         )
-        self.weights = WeightFollower(self, WeightRegistry(client), cfg.weight_mode)
+        self.weights_registry = WeightRegistry(client)
+        self.weights = WeightFollower(self, self.weights_registry, cfg.weight_mode)
         await self.weights.catch_up()
         await rq.register()
-        reaper = Reaper(store, leases, rq.connection, rq, max_worker_lost=cfg.max_worker_lost)
+        reaper = self.reaper = Reaper(
+            store, leases, rq.connection, rq, max_worker_lost=cfg.max_worker_lost,
+            worker_id=cfg.name, stats=self.stats,
+        )  # fmt: skip
+        self._queue_keys = {q: rollout_queue(rq.connection, q).key for q in cfg.queues}
         # Background loops stop on this event, checked every iteration: a cancel alone can
         # be lost inside redis-py (seen: 15 in 400 with socket_timeout set), and a worker
         # waiting on a loop that never ends never exits.
@@ -145,9 +177,14 @@ class Worker:
             asyncio.create_task(self.weights.follow(closing), name="weights"),
             asyncio.create_task(reaper.run(cfg.reap_interval_s, closing), name="reaper"),
         ]
-        log.info(
-            "worker %s on %s, model %s, up to %d rollouts at once",
-            cfg.name, cfg.queues, self.runner.model_id or "(unknown)", cfg.max_concurrency,
+        log_event(
+            log, logging.INFO, "worker_start",
+            f"worker {cfg.name} on {', '.join(cfg.queues)}, model "
+            f"{self.runner.model_id or '(unknown)'}, weights v{self.engine.weight_version}, up "
+            f"to {cfg.max_concurrency} rollouts at once",
+            worker=cfg.name, queues=list(cfg.queues), model=self.runner.model_id,
+            engine=self.metrics.engine, weight_version=self.engine.weight_version,
+            max_concurrency=cfg.max_concurrency,
         )  # fmt: skip
         try:
             await self._take_jobs(rq)
@@ -166,6 +203,12 @@ class Worker:
             await _bounded(checkpointer.close(), defaults.LOOP_STOP_S, "checkpointer")
             await _bounded(rq.close(), defaults.LOOP_STOP_S, "rq registration")
             await _bounded(client.aclose(), defaults.LOOP_STOP_S, "redis client")
+            log_event(
+                log, logging.INFO, "worker_stop",
+                f"worker {cfg.name} stopped: {self.stats.tokens} tokens generated",
+                worker=cfg.name, tokens=self.stats.tokens, ended=dict(self.stats.ended),
+                engine_dead=self.stats.engine_dead,
+            )  # fmt: skip
         return self.stats
 
     async def _take_jobs(self, rq: RqBridge) -> None:
@@ -252,8 +295,13 @@ class Worker:
             # Redis unreachable for longer than the client's retries, or a bug: the rollout
             # keeps what was saved. Give the job back after a backoff that grows with each
             # failure of this rollout here, so nothing spins.
-            log.warning("rollout %s: run failed (%s: %s)", rid, type(exc).__name__, exc,
-                        exc_info=not _is_connection_error(exc))  # fmt: skip
+            error = f"{type(exc).__name__}: {exc}"
+            # log_event's fields, plus the traceback of what is not a plain outage.
+            log.warning(
+                "rollout %s: run failed (%s)", rid, error, exc_info=not _is_connection_error(exc),
+                extra={"event": "run_error", "rollout_id": rid, "worker": self.config.name,
+                       "error": error},
+            )  # fmt: skip
             await self._back_off(rq, running, free_slot, f"{type(exc).__name__}: {exc}")
             return
         if result.outcome is not Outcome.WRONG_MODEL:
@@ -263,9 +311,12 @@ class Worker:
         except Exception as exc:
             # Reading the log for the retry budget or recording the failure met Redis gone:
             # never leave the job "started" and heartbeated with nobody on it; retry later.
+            error = f"{type(exc).__name__}: {exc}"
             log.warning(
-                "rollout %s: settling its attempt failed (%s: %s)", rid, type(exc).__name__,
-                exc, exc_info=not _is_connection_error(exc),
+                "rollout %s: settling its attempt failed (%s)", rid, error,
+                exc_info=not _is_connection_error(exc),
+                extra={"event": "settle_error", "rollout_id": rid, "worker": self.config.name,
+                       "error": error},
             )  # fmt: skip
             await self._back_off(rq, running, free_slot, f"{type(exc).__name__}: {exc}")
 
@@ -287,9 +338,12 @@ class Worker:
                 why = f"rollout {rid} failed: {result.error}"
                 await self._books(lambda: rq.fail(running, why), running)
                 return
-            log.warning(
-                "rollout %s attempt %d: engine error %d of %d on %s, retrying: %s",
-                rid, state.attempt, errors, budget, self.config.name, result.error,
+            log_event(
+                log, logging.WARNING, "engine_error",
+                f"rollout {rid} attempt {state.attempt}: engine error {errors} of {budget} on "
+                f"{self.config.name}, retrying: {result.error}",
+                rollout_id=rid, attempt=state.attempt, worker=self.config.name,
+                errors=errors, budget=budget, error=result.error,
             )  # fmt: skip
             await self._give_back(rq, running, state.queue, at_front=False)
         elif outcome is Outcome.FAILED:
@@ -305,7 +359,10 @@ class Worker:
             # Shutdown or weight update: first in line for the next worker on current weights.
             await self._give_back(rq, running, state.queue, at_front=True)
         elif outcome is Outcome.WRONG_QUEUE:
-            log.warning("rollout %s: %s; moving the job there", rid, result.error)
+            log_event(
+                log, logging.WARNING, "wrong_queue", f"rollout {rid}: {result.error}; moving "
+                "the job there", rollout_id=rid, worker=self.config.name, queue=state.queue,
+            )  # fmt: skip
             await self._give_back(rq, running, state.queue, at_front=True)
         elif outcome is Outcome.WRONG_MODEL:
             # Not ours to run: give it back, after a backoff, so a worker serving its model
@@ -314,16 +371,22 @@ class Worker:
         elif outcome is Outcome.LOST and state.terminal:
             # Ended from outside while generating here (a trainer's cancel fences the attempt):
             # the engine request is aborted, its saved tokens stay; not a failure of the job.
-            log.info(
-                "rollout %s ended %s while generating on %s (%s); job %s superseded",
-                rid, state.status.value, self.config.name, state.error or "no reason given",
-                running.job.id,
+            log_event(
+                log, logging.INFO, "ended_elsewhere",
+                f"rollout {rid} ended {state.status.value} while generating on "
+                f"{self.config.name} ({state.error or 'no reason given'}); job "
+                f"{running.job.id} superseded",
+                rollout_id=rid, attempt=state.attempt, worker=self.config.name,
+                status=state.status.value, job=running.job.id,
             )  # fmt: skip
             await self._books(lambda: rq.supersede(running), running)
         elif outcome in (Outcome.LOST, Outcome.DUPLICATE):
-            log.info(
-                "rollout %s: job %s superseded (%s): attempt %d of worker %s owns it",
-                rid, running.job.id, outcome.value, state.attempt, state.worker_id,
+            log_event(
+                log, logging.INFO, "superseded",
+                f"rollout {rid}: job {running.job.id} superseded ({outcome.value}): attempt "
+                f"{state.attempt} of worker {state.worker_id} owns it",
+                rollout_id=rid, attempt=state.attempt, worker=self.config.name,
+                owner=state.worker_id, job=running.job.id, outcome=outcome.value,
             )  # fmt: skip
             await self._books(lambda: rq.supersede(running), running)
         else:
@@ -334,20 +397,25 @@ class Worker:
         self, rq: RqBridge, running: TakenJob, reason: str, *, recorded: bool = False
     ) -> None:
         self.stats.outcomes["refused"] = self.stats.outcomes.get("refused", 0) + 1
-        log.error(
-            "job %s (rollout %s) refused%s: %s",
-            running.job.id, running.rollout_id or "?",
-            ", rollout recorded as failed" if recorded else "", reason,
+        log_event(
+            log, logging.ERROR, "refused",
+            f"job {running.job.id} (rollout {running.rollout_id or '?'}) refused"
+            f"{', rollout recorded as failed' if recorded else ''}: {reason}",
+            rollout_id=running.rollout_id, worker=self.config.name, job=running.job.id,
+            error=reason,
         )  # fmt: skip
         await self._books(lambda: rq.fail(running, reason), running)
 
     async def _fail_unreadable(self, rid: str, exc: CodecError) -> bool:
         try:
-            return await self.store.fail_unreadable(rid, f"unreadable record: {exc}")
+            recorded = await self.store.fail_unreadable(rid, f"unreadable record: {exc}")
         except Exception:
             # Its snapshot is damaged too (or Redis went away): the failed job says why.
             log.warning("rollout %s: cannot record the failure", rid, exc_info=True)
             return False
+        if recorded:
+            self.stats.end(Status.FAILED, FailureClass.UNREADABLE)
+        return recorded
 
     async def _back_off(
         self, rq: RqBridge, running: TakenJob, free_slot: Callable[[], None] | None, why: str
@@ -359,8 +427,11 @@ class Worker:
         rid = running.rollout_id
         n = self._failures[rid] = self._failures.get(rid, 0) + 1
         delay = min(defaults.REQUEUE_BACKOFF_MAX_S, defaults.REQUEUE_BACKOFF_S * 2 ** (n - 1))
-        log.warning("rollout %s: %s; job back on the queue in %.1f s (failure %d here)",
-                    rid, why, delay, n)  # fmt: skip
+        log_event(
+            log, logging.WARNING, "backoff",
+            f"rollout {rid}: {why}; job back on the queue in {delay:.1f} s (failure {n} here)",
+            rollout_id=rid, worker=self.config.name, error=why, seconds=delay, failures=n,
+        )  # fmt: skip
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), delay)
         queue = None
@@ -423,14 +494,15 @@ class Worker:
 
     async def _fail(self, state: RolloutState, error: str, errors: int) -> None:
         try:
-            await record_failure(self.store, state, error, FailureClass.ENGINE_ERROR)
+            # Its line (event "failure") is logged there.
+            await record_failure(
+                self.store, state, error, FailureClass.ENGINE_ERROR, worker_id=self.config.name,
+                why=f"after {errors} engine errors on {self.config.name}",
+            )  # fmt: skip
         except AppendRefused:
             # It moved on meanwhile (cancelled, or taken over): nothing of ours to record.
             return
-        log.error(
-            "rollout %s attempt %d: failed after %d engine errors on %s: %s",
-            state.rollout_id, state.attempt, errors, self.config.name, error,
-        )  # fmt: skip
+        self.stats.end(Status.FAILED, FailureClass.ENGINE_ERROR)
 
     async def _heartbeat(self, rq: RqBridge, leases: Leases, stop: asyncio.Event) -> None:
         beats = 0
@@ -442,7 +514,14 @@ class Worker:
                 await leases.renew(self.runner.active, self.config.lease_ttl_s)
                 if beats % rq_every == 0:
                     await rq.heartbeat()
+                    self.heartbeat_round_trips += 1
                 await fleet.beat(self.store.redis, self.store.keys, self._beat())
+                self.heartbeat_round_trips += 2
+                if self.metrics.served:
+                    # Queue depth and weight lag: only for a scraper, and never per token.
+                    await self.metrics.refresh(
+                        self.store.redis, self._queue_keys, self.weights_registry
+                    )
             except Exception:
                 # A missed beat is survivable (the TTLs span several); keep beating.
                 log.warning("heartbeat failed", exc_info=True)
@@ -465,7 +544,11 @@ class Worker:
         tasks = list(self.tasks.values())
         if not tasks:
             return
-        log.info("stopping %d rollouts: progress is saved and their jobs requeued", len(tasks))
+        log_event(
+            log, logging.INFO, "worker_stopping",
+            f"stopping {len(tasks)} rollouts: progress is saved and their jobs requeued",
+            worker=self.config.name, in_flight=len(tasks),
+        )  # fmt: skip
         for running in list(rq.running.values()):
             if running.rollout_id:
                 await self.runner.stop(running.rollout_id, AbortReason.SHUTDOWN)

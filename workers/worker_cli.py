@@ -14,6 +14,8 @@ from pathlib import Path
 from store import defaults
 from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
+from store.logs import LOG_FORMATS, log_event
+from store.logs import configure as configure_logs
 from workers import redis_options
 from workers.die_with_parent import ask_children_to_die_with_me
 from workers.engine_factory import (
@@ -23,6 +25,7 @@ from workers.engine_factory import (
     VLLM_SERVERS_ENV,
     make_engine,
 )
+from workers.metrics import WorkerMetrics
 from workers.runner import Cadence
 from workers.weight_updates import WeightMode
 from workers.worker import Worker, WorkerConfig
@@ -85,12 +88,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
         dest="queues",
         help=f"rq queue to take work from (repeatable; default {defaults.QUEUE_NAME})",
     )
-    parser.add_argument("--name", help="worker name (default host.pid.random)")
-    parser.add_argument("--checkpoint-tokens", type=int, default=defaults.CHECKPOINT_TOKENS)
     parser.add_argument(
-        "--checkpoint-interval", type=float, default=defaults.CHECKPOINT_INTERVAL_S, help="seconds"
+        "--name",
+        help="worker name, in its attempts, stats, logs and metrics (default host.pid.random)",
     )
-    parser.add_argument("--max-engine-attempts", type=int, default=defaults.MAX_ENGINE_ATTEMPTS)
+    parser.add_argument(
+        "--checkpoint-tokens",
+        type=int,
+        default=defaults.CHECKPOINT_TOKENS,
+        help="save a rollout's progress once it has this many unsaved tokens (default %(default)s)",
+    )
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=defaults.CHECKPOINT_INTERVAL_S,
+        help="... or once this many seconds passed since the last save (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-engine-attempts",
+        type=int,
+        default=defaults.MAX_ENGINE_ATTEMPTS,
+        help="attempts of a rollout the engine may fail on before the rollout is failed as "
+        "engine_error (default %(default)s)",
+    )
     parser.add_argument(
         "--max-worker-lost",
         type=int,
@@ -104,18 +124,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--lease-ttl",
         type=float,
         default=defaults.LEASE_TTL_S,
-        help="seconds a rollout stays leased without a heartbeat before another worker takes it",
+        help="seconds a rollout stays leased without a heartbeat before another worker takes it "
+        "(default %(default)s)",
     )
     parser.add_argument(
-        "--heartbeat", type=float, default=defaults.HEARTBEAT_S, help="lease renewal period (s)"
+        "--heartbeat",
+        type=float,
+        default=defaults.HEARTBEAT_S,
+        help="seconds between lease renewals, stats heartbeats and metric refreshes "
+        "(default %(default)s)",
     )
-    parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    parser.add_argument(
+        "--burst", action="store_true", help="exit when the queues are empty (default: off)"
+    )
     parser.add_argument(
         "--weight-mode",
         choices=[m.value for m in WeightMode],
         default=WeightMode.ABORT.value,
         help="on a new weight version: abort in-flight rollouts and resume them on the new "
-        "weights (default), drain them on the old ones first, or keep them in flight",
+        "weights, drain them on the old ones first, or keep them in flight "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--weight-version",
@@ -129,10 +157,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "model its earlier attempts ran (default: from the model directory's config.json; "
         "name it for vllm-http without --model)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics are served on; 0.0.0.0 for a scraper on another host "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text for people, or json: one object per line for log shippers (default %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logs(args.log_format)
     # Redis first: loading an engine takes minutes (vLLM), a wrong password a moment.
     try:
         redis_url = redis_options.resolve(args) or DEFAULT_URL
@@ -143,6 +188,20 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return _refuse(problem)
     log.info("Redis at %s", redact(redis_url))
+    # Before the engine (minutes for vLLM): a port already taken is known at once.
+    metrics = WorkerMetrics(engine=args.engine)
+    if args.metrics_port is not None:
+        try:
+            port = metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            return _refuse(
+                f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}"
+            )
+        log_event(
+            log, logging.INFO, "metrics",
+            f"Prometheus metrics at http://{args.metrics_host}:{port}/metrics",
+            host=args.metrics_host, port=port,
+        )  # fmt: skip
     if args.engine == "vllm":
         # vLLM's engine processes must not outlive this one (SIGKILL included).
         ask_children_to_die_with_me()
@@ -162,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         model_id=args.model_id,
         **extra,
     )
-    worker = Worker(config, engine)
+    worker = Worker(config, engine, metrics)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -186,9 +245,22 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        metrics.close()
     # Non-zero when the engine died, so a supervisor restarts the worker (with a new engine).
     return 1 if worker.stats.engine_dead else 0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is a number 0-65535, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free one), got {port}")
+    return port
 
 
 def _refuse(message: str) -> int:
