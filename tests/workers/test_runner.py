@@ -226,6 +226,27 @@ async def test_abort_with_no_new_tokens_and_budget_used_up(real_redis: aredis.Re
     assert result.state == await store.replay("z")
 
 
+async def test_a_capped_rollout_aborted_with_its_context_full_finishes_by_length(
+    real_redis: aredis.Redis,
+) -> None:
+    # cap_to_context: generate what fits. An attempt filled the context (8 + 24 = 32) and was
+    # aborted before it could record the finish; resuming it leaves no room for a token.
+    # Before: the resume was refused as a request error and the rollout failed.
+    store = EventStore(real_redis)
+    s = await store.append(
+        None, f.submitted("full", max_tokens=100, prompt=(1,) * 8, cap_to_context=True)
+    )
+    s = await store.append(s, f.started(s))
+    s = await store.append(s, f.tokens(s, n=24))
+    s = await store.append(s, f.aborted(s, AbortReason.WORKER_LOST))
+    engine = SyntheticEngine(context_length=32)
+    runner = RolloutRunner(store, Checkpointer(store), engine, "w")
+    result = await runner.run("full")
+    assert result.outcome is Outcome.FINISHED and result.state.status is Status.DONE
+    assert result.state.finish_reason == "length" and result.state.num_tokens == 24
+    assert result.state == await store.replay("full")
+
+
 async def test_a_finished_rollout_frees_its_engine_slot_before_its_last_round_trip(
     real_redis: aredis.Redis,
 ) -> None:

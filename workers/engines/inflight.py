@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
+from statemachine import RolloutState
 from workers.engines.base import EngineLimits, EngineRequest
 from workers.engines.errors import EngineClosed, EngineError, RequestAborted, RequestRejected
 
@@ -154,6 +155,19 @@ def check_request(request: EngineRequest, limits: EngineLimits, *, context_name:
             f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} exceeds "
             f"{context_name}={context} (set cap_to_context=True to generate what fits)"
         )
+
+
+def context_full(state: RolloutState, limits: EngineLimits) -> bool:
+    """A ``cap_to_context`` rollout whose saved tokens already fill the context: it ended by
+    length when its last token fitted (only its finish was not recorded before an abort), so
+    it is finished, not refused as a request the engine cannot serve."""
+    context = limits.context_length
+    return (
+        context is not None
+        and state.request.sampling.cap_to_context
+        and state.num_tokens > 0
+        and len(state.request.prompt_token_ids) + state.num_tokens >= context
+    )
 
 
 def fit_to_context(request: EngineRequest, limits: EngineLimits) -> EngineRequest:
