@@ -44,6 +44,9 @@ class Entry:
     tokens: int = 0
     checkpoints: int = 0
     by_version: dict[int, int] = field(default_factory=dict)
+    # checkpoints: when each weight version's first token was saved (where a picture of the
+    # attempt changes color: `keep` mode swaps weights under a live attempt)
+    version_from: dict[int, float] = field(default_factory=dict)
     reason: str = ""  # abort reason, finish reason, failure class
     detail: str = ""  # abort detail, stop reason, error, cancel reason
 
@@ -136,11 +139,13 @@ def _add_chunk(entries: list[Entry], e: TokensAppended) -> None:
             kind="checkpoints", seq=last.seq, at=last.at, until=e.at, attempt=e.attempt,
             tokens=last.tokens + len(e), checkpoints=last.checkpoints + 1,
             by_version=dict(sorted(merged.items())),
+            version_from=dict(sorted({**dict.fromkeys(counts, e.at), **last.version_from}.items())),
         )  # fmt: skip
         return
     entries.append(
         Entry(kind="checkpoints", seq=e.seq, at=e.at, until=e.at, attempt=e.attempt,
-              tokens=len(e), checkpoints=1, by_version=dict(sorted(counts.items())))
+              tokens=len(e), checkpoints=1, by_version=dict(sorted(counts.items())),
+              version_from=dict.fromkeys(sorted(counts), e.at))
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from store.inspect import RolloutNow, cluster_status, find_stuck, rollouts_now
 from store.lifecycle import RolloutEnded
 from store.queue import enqueue_rollouts, rollout_queue
 from store.timeline import build as build_timeline
-from workers import ops_text, redis_options
+from workers import ops_text, redis_options, timeline_plot
 from workers.errors import WorkerError
 
 CANCEL_REASON = "cancelled by an operator"
@@ -56,6 +57,11 @@ def configure_status(parser: argparse.ArgumentParser) -> None:
 def configure_show(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     parser.add_argument("rollout_id", metavar="ID", help="the rollout to show (required)")
+    parser.add_argument(
+        "--plot", metavar="FILE", help="also draw the timeline into FILE (.png, .svg or .pdf; "
+        "needs matplotlib): the attempts colored by weight version, with their workers, aborts "
+        "and resumes (default: none)",
+    )  # fmt: skip
 
 
 def configure_stuck(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +124,11 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        # Before anything is read: a bad FILE or a missing matplotlib costs nothing.
+        problem = timeline_plot.check(args.plot)
+        if problem is not None:
+            raise OperatorError(problem, 2)
     return _run(_show, args)
 
 
@@ -158,6 +169,13 @@ async def _show(client: RolloutClient, conn: Any, args: argparse.Namespace) -> i
         _print_json({**timeline.to_dict(), "now": ops_text.now_json(now)})
     else:
         print(ops_text.timeline_text(timeline, now))
+    if args.plot is not None:
+        # A live rollout's last bar runs to now; an ended one's picture ends where it ended.
+        timeline_plot.plot_timelines(
+            [timeline], args.plot, now=None if timeline.state.terminal else time.time()
+        )
+        if not args.json:  # stdout stays one JSON document
+            print(f"timeline drawn to {args.plot}")
     return 0
 
 
