@@ -2,10 +2,20 @@
 
 Ours: two worker processes (default lease TTL and heartbeat), one greedy rollout; the worker
 generating it is killed with SIGKILL. ``recovery_s`` runs from the kill to the first token
-recorded by the resumed attempt (the reaper of the surviving worker turned the expired lease
-into ``aborted(worker_lost)`` and re-enqueued it). ``tokens_regenerated`` estimates what the dead
-attempt had generated past its last checkpoint: its measured decode rate times the time
-between that checkpoint and the kill (bounded by one checkpoint interval by design).
+recorded by the resumed attempt: the surviving worker's reaper saw the dead process's presence
+subscription vanish with its connections (``store/presence.py``), recorded
+``aborted(worker_lost)`` and re-enqueued the rollout, and a worker resumed it. ``--rounds``
+kills (a fresh pair of workers each), median reported; ``kill_how`` says how each takeover was
+decided (``process_gone``, or ``lease_expired`` if the TTL had come first). ``tokens_regenerated``
+estimates what the dead attempt had generated past its last checkpoint: its measured decode
+rate times the time between that checkpoint and the kill (bounded by one checkpoint interval).
+The kills wait until Redis has been up ``PRESENCE_GRACE_S`` (after a Redis start nobody is
+judged gone for that long: every worker is reconnecting); a deployment's Redis has.
+
+A stalled worker (SIGSTOP: alive, connections open) is not gone: ``stop_recovery_s`` is the same
+measure for a worker stopped instead of killed, recovered when its lease expires (lease TTL + up
+to a reaper interval, as before); it is then continued, and ``stop_fenced`` says that it wrote
+nothing of its old attempt after the takeover and is still running.
 
 Baseline, same run, same model and Redis: a plain rq job (``SimpleWorker``, ``Retry(max=1)``)
 that generates the whole rollout; its worker is killed the same way and a second one waits.
@@ -16,7 +26,7 @@ plus 60 s for a ``SimpleWorker``. Measured here once with defaults and ``job_tim
 recovered after 10 minutes. So this run uses rq's best case: ``job_timeout=30`` (TTL 90 s),
 ``maintenance_interval=5`` and ``worker_ttl=20`` (dequeues of 5 s). rq then retries from scratch:
 ``rq_recovery_s`` is kill -> first token of the retried execution, ``rq_tokens_regenerated``
-what the killed execution had generated.
+what the killed execution had generated. One rq round by default: its figure is its TTL.
 """
 
 from __future__ import annotations
@@ -31,13 +41,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from redis import Redis
 from rq import Queue, Retry
 
-from statemachine import RolloutRequest, SamplingParams, Started, TokensAppended
+from statemachine import (
+    Aborted,
+    Resumed,
+    RolloutRequest,
+    SamplingParams,
+    Started,
+    TokensAppended,
+)
+from store import defaults
 from store.client import RolloutClient
 from store.redis_server import RedisServer
 from workers import worker_cli
@@ -65,48 +84,87 @@ def rq_worker(url: str, log: Path) -> subprocess.Popen[bytes]:
     )
 
 
-async def ours(url: str, model: Path, logs: Path, max_tokens: int, kill_at: int) -> dict:
+async def ours(
+    url: str, model: Path, logs: Path, max_tokens: int, kill_at: int, sig: int, tag: str
+) -> dict:
+    """One round: two fresh workers, the one generating the rollout gets ``sig``."""
     client = RolloutClient(url)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    [rid] = await client.submit([RolloutRequest(prompt_token_ids=tuple(PROMPT), sampling=sampling)])
-    procs = {n: worker(url, model, n, logs / f"{n}.log") for n in ("ours-a", "ours-b")}
+    names = (f"{tag}-a", f"{tag}-b")
+    procs = {n: worker(url, model, n, logs / f"{n}.log") for n in names}
     try:
+        # Both up first: the rollout is killed at `kill_at` tokens, not wherever it got to
+        # while the second worker loaded its model.
+        await _registered(client, names)
+        waited = await _redis_up_for(client, defaults.PRESENCE_GRACE_S)
+        request = RolloutRequest(prompt_token_ids=tuple(PROMPT), sampling=sampling)
+        [rid] = await client.submit([request])
         while (await client.store.load(rid)).num_tokens < kill_at:
             await asyncio.sleep(0.01)
         victim = next(e.worker_id for e in await client.store.events(rid) if isinstance(e, Started))
-        procs[victim].send_signal(signal.SIGKILL)
+        procs[victim].send_signal(sig)
         t_kill = time.time()
-        procs[victim].wait()
+        if sig == signal.SIGKILL:
+            procs[victim].wait()
         while True:
             events = await client.store.events(rid)
             resumed = [e for e in events if isinstance(e, TokensAppended) and e.attempt == 2]
             if resumed:
                 break
             await asyncio.sleep(0.01)
+        if sig == signal.SIGSTOP:
+            procs[victim].send_signal(signal.SIGCONT)  # it wakes up and tries to append
         first1 = [e for e in events if isinstance(e, TokensAppended) and e.attempt == 1]
         rate = (first1[-1].offset + len(first1[-1]) - first1[0].offset - len(first1[0])) / max(
             1e-9, first1[-1].at - first1[0].at
         )
         regenerated = rate * max(0.0, t_kill - first1[-1].at)
         await client.wait([rid], timeout=600)
+        events = await client.store.events(rid)
+        [lost] = [e for e in events if isinstance(e, Aborted)]
+        fenced = all(getattr(e, "attempt", 1) != 1 or e.seq <= lost.seq for e in events)
+        began = next(e for e in events if isinstance(e, Resumed))
         return {
             "recovery_s": resumed[0].at - t_kill,
+            # Where it goes: kill -> abort recorded -> next attempt opened -> its first tokens.
+            "detect_s": lost.at - t_kill,
+            "reopen_s": began.at - lost.at,
+            "first_tokens_s": resumed[0].at - began.at,
+            "how": "process_gone" if "gone" in lost.detail else "lease_expired",
             "tokens_regenerated": regenerated,
             "persisted_at_kill": resumed[0].offset,
             "decode_tokens_per_s": rate,
+            "waited_for_grace_s": waited,
+            "fenced": fenced and procs[victim].poll() is None,
         }
     finally:
         for p in procs.values():
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
                 p.terminate()
                 p.wait(60)
         await client.aclose()
+
+
+async def _registered(client: RolloutClient, names: tuple[str, ...]) -> None:
+    """Until both workers hold their presence (a worker that just started is not watched)."""
+    want = {n.encode() for n in names}
+    while not want <= set(await client.store.redis.hkeys(client.store.keys.presence())):
+        await asyncio.sleep(0.05)
+
+
+async def _redis_up_for(client: RolloutClient, seconds: float) -> float:
+    t0 = time.monotonic()
+    while int((await client.store.redis.info("server"))["uptime_in_seconds"]) < seconds:
+        await asyncio.sleep(0.1)
+    return time.monotonic() - t0
 
 
 def baseline(url: str, model: Path, logs: Path, max_tokens: int, kill_at: int) -> dict:
     from rq_baseline_job import PROGRESS
 
     r = Redis.from_url(url)
+    r.delete(PROGRESS)  # executions are counted from 1 in each round
     q = Queue("baseline", connection=r)
     q.enqueue(
         "rq_baseline_job.generate",
@@ -142,27 +200,60 @@ def main(args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
         model = make_tiny_model(Path(tmp) / "dense", moe=False, seed=0)
-        mine = asyncio.run(ours(server.url, model, Path(tmp), args.max_tokens, args.kill_at))
-        base = baseline(server.url, model, Path(tmp), args.max_tokens, args.kill_at)
+        run = lambda sig, tag: asyncio.run(  # noqa: E731
+            ours(server.url, model, Path(tmp), args.max_tokens, args.kill_at, sig, tag)
+        )
+        kills = [run(signal.SIGKILL, f"kill{i}") for i in range(args.rounds)]
+        stops = [run(signal.SIGSTOP, f"stop{i}") for i in range(args.stop_rounds)]
+        base = [
+            baseline(server.url, model, Path(tmp), args.max_tokens, args.kill_at)
+            for _ in range(args.rq_rounds)
+        ]
+        numsub = _commandstat(server.url, "cmdstat_pubsub|numsub")
+    recovery = median(k["recovery_s"] for k in kills)
+    rq_recovery = median(b["rq_recovery_s"] for b in base)
     return {
-        "recovery_s": round(mine["recovery_s"], 3),
-        "tokens_regenerated": round(mine["tokens_regenerated"], 1),
-        "rq_recovery_s": round(base["rq_recovery_s"], 3),
-        "rq_tokens_regenerated": base["rq_tokens_regenerated"],
-        "speedup": round(base["rq_recovery_s"] / mine["recovery_s"], 1),
-        "persisted_at_kill": mine["persisted_at_kill"],
-        "decode_tokens_per_s": round(mine["decode_tokens_per_s"], 1),
-        "lease_ttl_s": 5.0,
+        "recovery_s": round(recovery, 3),
+        "recovery_s_max": round(max(k["recovery_s"] for k in kills), 3),
+        "kill_rounds": len(kills),
+        "kill_how": [k["how"] for k in kills],
+        "detect_s": round(median(k["detect_s"] for k in kills), 3),
+        "reopen_s": round(median(k["reopen_s"] for k in kills), 3),
+        "first_tokens_s": round(median(k["first_tokens_s"] for k in kills), 3),
+        "tokens_regenerated": round(median(k["tokens_regenerated"] for k in kills), 1),
+        "rq_recovery_s": round(rq_recovery, 3),
+        "rq_tokens_regenerated": median(b["rq_tokens_regenerated"] for b in base),
+        "speedup": round(rq_recovery / recovery, 1),
+        "stop_recovery_s": round(median(s["recovery_s"] for s in stops), 3),
+        "stop_how": [s["how"] for s in stops],
+        "stop_fenced": all(s["fenced"] for s in stops),
+        "persisted_at_kill": kills[0]["persisted_at_kill"],
+        "decode_tokens_per_s": round(median(k["decode_tokens_per_s"] for k in kills), 1),
+        "waited_for_grace_s": round(sum(k["waited_for_grace_s"] for k in kills + stops), 1),
+        "presence_numsub_calls": numsub.get("calls", 0),
+        "presence_numsub_usec_per_call": numsub.get("usec_per_call", 0.0),
+        "lease_ttl_s": defaults.LEASE_TTL_S,
+        "presence_check_s": defaults.PRESENCE_CHECK_S,
+        "presence_confirm_s": defaults.PRESENCE_CONFIRM_S,
         "rq_maintenance_interval_s": 5,
         "rq_worker_ttl_s": 20,
         "rq_job_timeout_s": 30,
     }
 
 
+def _commandstat(url: str, name: str) -> dict:
+    """What Redis counted for one command over the whole run (calls, usec per call)."""
+    stats = Redis.from_url(url).info("commandstats")
+    return dict(stats.get(name.removeprefix("cmdstat_"), stats.get(name, {})))
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=3000)
     ap.add_argument("--kill-at", type=int, default=200, help="tokens generated before the kill")
+    ap.add_argument("--rounds", type=int, default=5, help="kill -9 rounds (median reported)")
+    ap.add_argument("--stop-rounds", type=int, default=1, help="SIGSTOP rounds")
+    ap.add_argument("--rq-rounds", type=int, default=1, help="plain rq rounds (~95 s each)")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args()
     out = main(ns)

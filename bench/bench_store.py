@@ -6,11 +6,16 @@ redis-server (started here on a free port), one after the other:
 
 - store: ``EventStore.append_many`` with one chunk of every rollout per call, the way a worker
   checkpoints all its in-flight rollouts in one round trip; this includes the Python fold that
-  validates each event, encoding, and the Lua script (seq + attempt check, XADD, snapshot HSET);
+  validates each event, encoding, and the MULTI/EXEC of lua/append.lua (seq + attempt check and
+  snapshot HSET for every rollout in one script call) with each record's XADD beside it;
 - raw:   pipelined ``XADD`` of blobs of the same size, the same number per round trip.
 
 Also reported: the store driven by 256 concurrent coroutines each awaiting its own appends
-(``concurrent_*``), and Redis memory per stored token against the payload per token.
+(``concurrent_*``), Redis memory per stored token against the payload per token, and the Redis
+server's own CPU per event on both sides (``*_redis_cpu_us_per_event``, from the server's
+``used_cpu_sys + used_cpu_user`` over the timed part of each round, so parsing, AOF writes and
+transactions count, not just the commands), whose ratio ``redis_cpu_ratio`` (raw / store) says
+how close an append's cost to Redis is to the bare XADD underneath it.
 """
 
 from __future__ import annotations
@@ -67,6 +72,25 @@ async def used_memory(client: aredis.Redis) -> int:
     return int((await client.info("memory"))["used_memory"])
 
 
+class ServerCpu:
+    """The Redis server's CPU seconds (all its threads, user + system) between ``start`` and
+    ``stop``."""
+
+    def __init__(self, client: aredis.Redis) -> None:
+        self.client = client
+        self.seconds = 0.0
+
+    async def _now(self) -> float:
+        info = await self.client.info("cpu")
+        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+    async def start(self) -> None:
+        self.seconds = -await self._now()
+
+    async def stop(self) -> None:
+        self.seconds += await self._now()
+
+
 async def start_rollouts(store: EventStore, prefix: str, n: int, max_tokens: int) -> list:
     request = RolloutRequest(
         prompt_token_ids=list(range(1, 257)), sampling=SamplingParams(max_tokens=max_tokens)
@@ -109,7 +133,7 @@ def prebuilt(states: list[RolloutState], data: list[list[dict]]) -> list[list[To
 
 
 async def run_store_batched(
-    store: EventStore, data: list[list[dict]], max_tokens: int, writers: int
+    store: EventStore, data: list[list[dict]], max_tokens: int, writers: int, cpu: ServerCpu
 ) -> float:
     states = await start_rollouts(store, "b", len(data), max_tokens)
     events = prebuilt(states, data)
@@ -120,11 +144,14 @@ async def run_store_batched(
             assert all(isinstance(r, RolloutState) for r in results), results[:1]
             states = results  # type: ignore[assignment]
 
+    await cpu.start()
     t0 = time.perf_counter()
     await asyncio.gather(
         *(writer(s, e) for s, e in zip(split(states, writers), split(events, writers)))
     )
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    await cpu.stop()
+    return elapsed
 
 
 async def run_store_concurrent(store: EventStore, data: list[list[dict]], max_tokens: int) -> float:
@@ -141,7 +168,7 @@ async def run_store_concurrent(store: EventStore, data: list[list[dict]], max_to
 
 
 async def run_raw(
-    client: aredis.Redis, data: list[list[dict]], blob_size: int, writers: int
+    client: aredis.Redis, data: list[list[dict]], blob_size: int, writers: int, cpu: ServerCpu
 ) -> float:
     keys = Keys("raw")
     blob = bytes(blob_size)
@@ -153,9 +180,12 @@ async def run_raw(
                     pipe.xadd(keys.log(f"r{i}"), {"e": blob}, id=f"0-{c + 1}")
                 await pipe.execute()
 
+    await cpu.start()
     t0 = time.perf_counter()
     await asyncio.gather(*(writer(ids) for ids in split(list(range(len(data))), writers)))
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    await cpu.stop()
+    return elapsed
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -182,15 +212,20 @@ async def main(args: argparse.Namespace) -> dict:
         # this machine's speed drifts by 2x between runs, and whichever side ran first on a
         # fresh server would otherwise look better.
         raw_times, store_times, raw_mem, store_mem = [], [], 0, 0
+        raw_cpu, store_cpu = [], []
         for _ in range(args.rounds):
-            raw_times.append(await run_raw(client, data, blob_size, args.writers))
+            cpu = ServerCpu(client)
+            raw_times.append(await run_raw(client, data, blob_size, args.writers, cpu))
+            raw_cpu.append(cpu.seconds)
             raw_mem = await used_memory(client)
             await client.flushall()
             mem0 = await used_memory(client)
-            store_times.append(await run_store_batched(store, data, max_tokens, args.writers))
+            store_times.append(await run_store_batched(store, data, max_tokens, args.writers, cpu))
+            store_cpu.append(cpu.seconds)
             store_mem = await used_memory(client) - mem0
             await client.flushall()
         raw_s, store_s = statistics.median(raw_times), statistics.median(store_times)
+        raw_cpu_s, store_cpu_s = statistics.median(raw_cpu), statistics.median(store_cpu)
 
         conc_s = await run_store_concurrent(store, data, max_tokens)
         await client.aclose()
@@ -205,6 +240,9 @@ async def main(args: argparse.Namespace) -> dict:
         "store_tokens_per_s": round(n_tokens / store_s, 1),
         "raw_events_per_s": round(n_events / raw_s, 1),
         "ratio": round(raw_s / store_s, 3),
+        "raw_redis_cpu_us_per_event": round(raw_cpu_s / n_events * 1e6, 2),
+        "store_redis_cpu_us_per_event": round(store_cpu_s / n_events * 1e6, 2),
+        "redis_cpu_ratio": round(raw_cpu_s / store_cpu_s, 3),
         "concurrent_store_events_per_s": round(n_events / conc_s, 1),
         "concurrent_ratio": round(raw_s / conc_s, 3),
         "record_bytes_per_event": blob_size,

@@ -95,9 +95,12 @@ class _AsyncRetry(AsyncRetry):
         return await super().call_with_retry(do, fail, _both(is_retryable), with_failure_count)
 
 
-def connect(url: str) -> aredis.Redis:
+def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
+    """An asyncio client; ``client_name`` names its connections (``CLIENT SETNAME``, on every
+    reconnect too), so that ``CLIENT LIST`` shows an operator whose they are."""
     return aredis.Redis.from_url(
         url,
+        client_name=client_name,
         retry=_AsyncRetry(EqualJitterBackoff(*BACKOFF), RETRIES),
         retry_on_error=list(_ERRORS),
         socket_timeout=SOCKET_TIMEOUT_S,
@@ -115,6 +118,15 @@ def connect_sync(url: str) -> redis.Redis:
         socket_connect_timeout=2.0,
         health_check_interval=10,
     )
+
+
+# CLIENT SETNAME refuses spaces and anything outside printable ASCII.
+_UNNAMEABLE = re.compile(r"[^\x21-\x7e]")
+
+
+def client_name(kind: str, name: str) -> str:
+    """A valid connection name for ``name`` (a worker id may hold any character)."""
+    return f"{kind}:{_UNNAMEABLE.sub('_', name)}"
 
 
 _QUERY_PASSWORD = re.compile(r"(?i)(^|&)(password=)[^&]*")

@@ -33,6 +33,17 @@ LEASE_TTL_S = 5.0
 HEARTBEAT_S = 1.0
 REAP_INTERVAL_S = 1.0
 
+# A worker process that dies closes its Redis connections at once, and with them its presence
+# subscription (store/presence.py): its leases are reaped then, not LEASE_TTL_S later. Some
+# reaper checks every PRESENCE_CHECK_S (one per interval for the whole fleet); a worker counts
+# as gone only if still absent PRESENCE_CONFIRM_S later (a live worker resubscribes within
+# ~0.1 s of a dropped connection: redis-py's first retry). For PRESENCE_GRACE_S after Redis
+# starts nobody is judged: every worker is reconnecting (its backoff is capped at 2 s). A stalled
+# or partitioned worker keeps its connection open and falls back to the TTL.
+PRESENCE_CHECK_S = 0.25
+PRESENCE_CONFIRM_S = 0.25
+PRESENCE_GRACE_S = 5.0
+
 # rq's view of a job: its execution is heartbeated every RQ_HEARTBEAT_S; one not heartbeated for
 # RQ_EXECUTION_TTL_S belonged to a dead worker, and every worker's reaper requeues such jobs
 # (a worker killed after taking a job but before leasing its rollout, or after aborting it but

@@ -5,12 +5,15 @@ HTTP API are asyncio, and a sync store would need a thread per in-flight rollout
 is not async uses the client's sync facade, which runs this store on a private loop.
 
 Write path: ``append`` folds the event onto the caller's view of the state in Python (an
-illegal event raises the domain's ``TransitionError`` before anything is sent), then one Lua
-script checks the sequence number and the fencing attempt and writes the log entry and the new
-snapshot together. The caller's view may be stale: the script then refuses with
-``SequenceConflict`` or ``StaleAttempt`` and writes nothing. A retried append whose record is
-already stored at that sequence number succeeds without writing again, which is what makes a
-blind retry after a lost reply safe.
+illegal event raises the domain's ``TransitionError`` before anything is sent), then one
+MULTI/EXEC checks the sequence number and the fencing attempt (``lua/append.lua``) and writes
+the log entry and the new snapshot together. The record itself never passes through Lua, which
+would hash every byte of it: it goes beside the script, as a plain XADD that lands only if the
+script accepted. The caller's view may be stale: the script then refuses with
+``SequenceConflict`` or ``StaleAttempt`` and nothing is written. A retried append whose record
+is already stored at that sequence number succeeds without writing again, which is what makes
+a blind retry after a lost reply safe (the script reports the sequence number taken, and the
+stored record is compared with the caller's here).
 """
 
 from __future__ import annotations
@@ -55,12 +58,47 @@ COMPLETION = "cid"
 JOB = "job"  # the rq job enqueued with the Submitted record (append.lua), deleted at ack
 
 
+# Where the record is among an event's arguments to lua/append.lua (store.batches reads it and
+# the head after it, for submit_chunk.lua).
+ARG_RECORD = 2
+
+
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     event: Event
     state: RolloutState
-    keys: tuple[str, ...]
-    args: tuple[int | str | bytes, ...]
+    keys: tuple[str, ...]  # log, snapshot, completions, counters, batch record, staged log
+    args: tuple[int | str | bytes, ...]  # the event's ARGV to lua/append.lua, record included
+
+    @property
+    def record(self) -> bytes:
+        return self.args[ARG_RECORD]  # type: ignore[return-value]
+
+    @property
+    def whole(self) -> bool:
+        """Whether the record goes through the script: only the Submitted record (once per
+        rollout, and its log does not exist yet); every other one goes beside it, the way
+        lua/append.lua describes, because Lua would hash every byte of it."""
+        return self.event.seq == 1
+
+    def script_keys(self) -> tuple[str, ...]:
+        log, snap, done, _, batch, staged = self.keys
+        return log, snap, done, batch, staged
+
+    def script_args(self) -> tuple[int | str | bytes, ...]:
+        if self.whole:
+            return self.args
+        return (*self.args[:ARG_RECORD], "", *self.args[ARG_RECORD + 1 :])
+
+    def beside(self) -> list[scripts.Step]:
+        """The plain steps that follow the script call of a header (none for a whole one)."""
+        if self.whole:
+            return []
+        log, staged = self.keys[0], self.keys[-1]
+        return [
+            ("XADD", staged, "NOMKSTREAM", f"0-{self.event.seq}", "e", self.record),
+            ("RENAME", staged, log),
+        ]
 
 
 class EventStore:
@@ -76,7 +114,7 @@ class EventStore:
         """Append ``event`` to the rollout whose current state the caller holds as ``state``
         (None for a new rollout) and return the state after it."""
         p = self.prepare(state, event)
-        reply = await scripts.APPEND(self.redis, p.keys, p.args)
+        (reply,) = await self._run([p])
         error = _refusal(reply, p.event)
         if error is not None:
             raise error
@@ -111,7 +149,7 @@ class EventStore:
                 raise ValueError("an empty chain needs a state")
             results.append(state)
             spans.append((start, len(calls)))
-        replies = await scripts.APPEND.many(self.redis, [(p.keys, p.args) for p in calls])
+        replies = await self._run(calls) if calls else []
         for i, (start, end) in enumerate(spans):
             for p, reply in zip(calls[start:end], replies[start:end], strict=True):
                 error = _refusal(reply, p.event)
@@ -119,6 +157,57 @@ class EventStore:
                     results[i] = error
                     break
         return results
+
+    async def _run(self, calls: Sequence[_Prepared]) -> list[Any]:
+        """Every append of ``calls`` in one MULTI/EXEC (one round trip), in order; the script's
+        reply for each, with "taken" resolved into "dup" or the refusal."""
+        # A rollout's n-th event of the batch goes in the n-th script call (lua/append.lua
+        # takes at most one event per rollout per call), each call followed by its records.
+        rounds: list[list[int]] = []
+        seen: dict[str, int] = {}
+        for i, p in enumerate(calls):
+            n = seen.get(p.event.rollout_id, 0)
+            seen[p.event.rollout_id] = n + 1
+            if n == len(rounds):
+                rounds.append([])
+            rounds[n].append(i)
+        steps: list[scripts.Step] = []
+        where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(calls)  # step, index, XADD step
+        for members in rounds:
+            keys: list[str] = [calls[members[0]].keys[3]]  # the counters, one for all
+            args: list[int | str | bytes] = []
+            for i in members:
+                keys += calls[i].script_keys()
+                args += calls[i].script_args()
+            call_step = len(steps)
+            steps.append(scripts.Call(scripts.APPEND, keys, args))
+            for j, i in enumerate(members):
+                where[i] = (call_step, j, len(steps))
+                steps += calls[i].beside()
+        replies = await scripts.transaction(self.redis, steps)
+        out: list[Any] = []
+        for p, (call_step, j, xadd) in zip(calls, where, strict=True):
+            batch = replies[call_step]
+            if isinstance(batch, Exception):
+                raise batch
+            reply = batch[j].split()  # lua/append.lua's words
+            if not p.whole and reply[0] == b"ok" and not isinstance(replies[xadd], bytes):
+                # Accepted, yet the record did not land: lua/append.lua's gate is broken.
+                raise AssertionError(f"{p.event.rollout_id} #{p.event.seq}: {replies[xadd]!r}")
+            out.append(reply)
+        taken = [i for i, reply in enumerate(out) if reply[0] == b"taken"]
+        if taken:
+            # Entries at or below the snapshot's seq never change (only whole rollouts are
+            # deleted), so comparing after the transaction is as good as inside it.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in taken:
+                    entry = f"0-{calls[i].event.seq}"
+                    pipe.xrange(calls[i].keys[0], entry, entry)
+                found = await pipe.execute()
+            for i, entries in zip(taken, found, strict=True):
+                same = len(entries) == 1 and entries[0][1].get(b"e") == calls[i].record
+                out[i] = [b"dup"] if same else out[i][1:]
+        return out
 
     def prepare(self, state: RolloutState | None, event: Event) -> _Prepared:
         """The checked event with the keys and arguments of its append (no I/O): for callers
@@ -135,6 +224,7 @@ class EventStore:
                 self.keys.completions(batch),
                 self.keys.stats(),
                 self.keys.batch(batch),
+                self.keys.staged_log(rid),
             ),
             args=(
                 event.seq,

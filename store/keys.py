@@ -66,6 +66,22 @@ class Keys:
         """Rollouts set aside because they cannot be read (rollout id -> reason)."""
         return f"{self.namespace}:quarantine"
 
+    def worker_leases(self, worker_id: str) -> str:
+        """The rollouts one worker leased (a set): its leases, found at once when it dies."""
+        return f"{self.namespace}:worker:{worker_id}:leases"
+
+    def presence(self) -> str:
+        """Workers whose process presence is watched (worker id -> when it subscribed, ms)."""
+        return f"{self.namespace}:presence"
+
+    def presence_channel(self, worker_id: str) -> str:
+        """A channel, not a key: the worker's subscription to it lives as long as its process."""
+        return f"{self.namespace}:alive:{worker_id}"
+
+    def presence_check(self) -> str:
+        """Which reaper checks the workers' presence this interval (a string with a short TTL)."""
+        return f"{self.namespace}:presence:check"
+
     def batch(self, batch_id: str) -> str:
         """A batch's record (a hash: request fingerprint, rollout ids, group size, retention)."""
         return f"{self.namespace}:batch:{{{batch_id}}}"
@@ -88,6 +104,11 @@ class Keys:
     def workers(self) -> str:
         """Live workers' heartbeats (worker id -> their in-flight count, weights, time)."""
         return f"{self.namespace}:workers"
+
+    def staged_log(self, rollout_id: str) -> str:
+        """The log's name while an append's record is being added (see ``lua/append.lua``):
+        it exists only inside one MULTI/EXEC, never between transactions."""
+        return f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}:log:staged"
 
     def rollout(self, rollout_id: str) -> tuple[str, str]:
         """``(log, snapshot)``: what the append script gets as KEYS, checked once."""

@@ -5,6 +5,11 @@ a lease before it opens an attempt, renews all of its leases in one command (``Z
 never resurrects a lease a reaper removed, never moves one backwards) and drops a lease when
 the attempt ends. Anything left with an expiry in the past belongs to a worker that died,
 stalled or lost its connection: the reaper (``workers.reaper``) deals with it.
+
+A worker's leases are also listed in a set of its own (``holder``), kept by the same round trip
+that takes or drops each lease: when its process dies (``store.presence``) a reaper finds them
+there at once, instead of waiting for their expiry. The set is a hint, never the authority: a
+rollout found in it is reaped only while its live attempt is still that worker's.
 """
 
 from __future__ import annotations
@@ -23,14 +28,25 @@ def now_ms() -> int:
 
 
 class Leases:
-    def __init__(self, client: Redis, keys: Keys | None = None) -> None:
+    def __init__(self, client: Redis, keys: Keys | None = None, *, holder: str = "") -> None:
+        """``holder``: the worker taking leases through this object (none: a reader)."""
         self.redis = client
-        keys = keys or Keys()
+        self.keys = keys = keys or Keys()
         self.key = keys.leases()
         self.quarantine_key = keys.quarantine()
+        self.holder_key = keys.worker_leases(holder) if holder else ""
 
     async def take(self, rollout_id: str, ttl_s: float) -> None:
-        await self.redis.zadd(self.key, {rollout_id: now_ms() + int(ttl_s * 1000)})
+        until = now_ms() + int(ttl_s * 1000)
+        if not self.holder_key:
+            await self.redis.zadd(self.key, {rollout_id: until})
+            return
+        # One round trip, no MULTI (the two keys may sit in different Cluster slots): a lease
+        # missing from the holder's set only means the TTL, not presence, recovers it.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.key, {rollout_id: until})
+        pipe.sadd(self.holder_key, rollout_id)
+        await pipe.execute()
 
     async def renew(self, rollout_ids: Iterable[str], ttl_s: float) -> None:
         """Extend every lease still held, in one round trip."""
@@ -40,7 +56,23 @@ class Leases:
             await self.redis.zadd(self.key, dict.fromkeys(ids, until), xx=True, gt=True)
 
     async def drop(self, rollout_id: str) -> None:
-        await self.redis.zrem(self.key, rollout_id)
+        if not self.holder_key:
+            await self.redis.zrem(self.key, rollout_id)
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(self.key, rollout_id)
+        pipe.srem(self.holder_key, rollout_id)
+        await pipe.execute()
+
+    async def held_by(self, worker_id: str) -> list[str]:
+        """The rollouts ``worker_id`` leased and did not drop (some may be leased by another
+        worker since: the caller checks whose attempt is live)."""
+        members: set[bytes] = await self.redis.smembers(self.keys.worker_leases(worker_id))  # type: ignore[misc]
+        return sorted(m.decode() for m in members)
+
+    async def forget_holder(self, worker_id: str) -> None:
+        """Drop the list of a dead worker's leases, once they are dealt with."""
+        await self.redis.delete(self.keys.worker_leases(worker_id))
 
     async def expired(self, limit: int = 100) -> list[tuple[str, int]]:
         """Leases whose expiry has passed, oldest first: ``(rollout id, expiry ms)``."""

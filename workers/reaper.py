@@ -10,6 +10,13 @@ error leaves that lease for the next pass, and a rollout that cannot be read at 
 quarantined (its lease moved to the quarantine hash with the reason, logged once) so that it
 never again stands in front of the leases behind it.
 
+A worker whose process died need not wait for its leases to expire: its Redis connections closed
+with it, and ``store.presence`` sees that. Beside its passes over expired leases the reaper runs
+a presence check every ``PRESENCE_CHECK_S`` (one reaper of the fleet per interval does it) and
+reaps at once, the same way, the leases of workers whose process is gone: only those whose live
+attempt is still that worker's (a lease it left on a rollout someone else runs now is not
+touched). A stalled or partitioned worker keeps its connections, so its leases expire by TTL.
+
 A rollout whose workers keep dying under it fails with ``worker_lost`` once its budget is spent
 (``workers.failures``). Every ``PRUNE_EVERY`` passes the reaper also drops the stats heartbeats
 of workers gone quiet (``store.stats.prune``): a killed worker never removes its own.
@@ -37,6 +44,7 @@ from statemachine import (
 from store import AppendRefused, EventStore, RolloutNotFound, defaults, stats
 from store.leases import Leases
 from store.logs import log_event
+from store.presence import PresenceWatch
 from store.queue import enqueue_rollouts_async, rollout_queue
 from workers.failures import record_failure, worker_lost_aborts
 from workers.rq_bridge import RqBridge
@@ -47,6 +55,8 @@ log = logging.getLogger("rollouts.reaper")
 # Passes between two prunes of dead workers' heartbeats: a stale entry is already left out of
 # ``read_stats``; removing it is housekeeping, worth one HGETALL every ~10 s, not every second.
 PRUNE_EVERY = 10
+# Rollouts of one gone worker reaped at once (each is a few round trips).
+GONE_CONCURRENCY = 16
 
 
 class Reaper:
@@ -60,8 +70,11 @@ class Reaper:
         max_worker_lost: int = defaults.MAX_WORKER_LOST,
         worker_id: str = "",
         stats: Stats | None = None,
+        presence: PresenceWatch | None = None,
     ) -> None:
         self.store = store
+        # Other workers' presence: None, leases are recovered when they expire, only.
+        self.presence = presence
         self.worker_id = worker_id  # the worker this reaper runs in (for its log lines)
         # Its worker's counters: the aborts and failures it records are that worker's.
         self.stats = stats if stats is not None else Stats()
@@ -72,6 +85,7 @@ class Reaper:
         self._queues: dict[str, Queue] = {}
         self.recovered = 0
         self.quarantined = 0
+        self.recovered_gone = 0  # of ``recovered``: rollouts of workers whose process was gone
 
     async def reap_once(self) -> list[str]:
         """One pass over the expired leases; returns the rollouts given back to the queue."""
@@ -96,15 +110,75 @@ class Reaper:
         self.recovered += len(given_back)
         return given_back
 
-    async def _reap(self, rid: str, expiry: int) -> bool:
+    async def reap_gone(self) -> list[str]:
+        """One presence check: the leases of workers whose process is gone, reaped now."""
+        given_back: list[str] = []
+        if self.presence is not None:
+            for worker in await self.presence.gone():
+                given_back += await self._reap_worker(worker)
+        self.recovered += len(given_back)
+        self.recovered_gone += len(given_back)
+        return given_back
+
+    async def _reap_worker(self, worker: str) -> list[str]:
+        assert self.presence is not None
+        held = await self.leases.held_by(worker)
+        # A GPU worker dies with hundreds of rollouts: reaped side by side, a few at a time.
+        slots = asyncio.Semaphore(GONE_CONCURRENCY)
+
+        async def reap(rid: str) -> bool | None:
+            async with slots:
+                return await self._reap_held(rid, worker)
+
+        done = await asyncio.gather(*(reap(rid) for rid in held))
+        given_back = [rid for rid, ok in zip(held, done, strict=True) if ok]
+        retry = any(ok is None for ok in done)
+        if not retry:
+            await self.leases.forget_holder(worker)
+            await self.presence.forget(worker)
+            # Out of the fleet's stats now, not when its heartbeat goes stale (15 s).
+            await stats.remove(self.store.redis, self.store.keys, worker)
+        log_event(
+            log, logging.WARNING, "worker_gone",
+            f"worker {worker}: its process is gone (its Redis connections closed); "
+            f"{len(given_back)} of the {len(held)} rollouts it had leased requeued",
+            worker=self.worker_id, lost_worker=worker, rollouts=given_back,
+        )  # fmt: skip
+        return given_back
+
+    async def _reap_held(self, rid: str, worker: str) -> bool | None:
+        """One rollout the gone ``worker`` had leased: True if given back, None to retry."""
+        try:
+            expiry = await self.leases.expiry(rid)
+            return expiry is not None and await self._reap(rid, expiry, gone=worker)
+        except CodecError:
+            # Unreadable: the pass over expired leases quarantines it once its lease lapses.
+            return False
+        except Exception:
+            # Redis hiccup on this one: the worker is still gone at the next check.
+            log.warning("rollout %s: reaping failed; retrying next check", rid, exc_info=True)
+            return None
+
+    async def _reap(self, rid: str, expiry: int, *, gone: str = "") -> bool:
+        """Abort (worker_lost), release and requeue one rollout whose lease ``expiry`` was read;
+        ``gone``: the worker whose process is gone, whose lease it was (else: it expired)."""
         try:
             state = await self.store.load(rid)
         except RolloutNotFound:
             await self.leases.release_if_unchanged(rid, expiry)  # a deleted rollout
             return False
+        if gone and (state.status not in LIVE or state.worker_id != gone):
+            # Not (or no longer) an attempt of the gone worker: the lease may be a new
+            # worker's, taken just before its attempt opens. Its expiry decides, as always.
+            return False
+        why = (
+            f"process of {gone} gone (its Redis connections closed)"
+            if gone
+            else f"lease of {state.worker_id} expired"
+        )
         if state.status in LIVE:
             try:
-                state = await self._abort_lost(state)
+                state = await self._abort_lost(state, why)
             except AppendRefused:
                 # It moved on since we read it (finished, or another reaper won): look again
                 # next pass if the lease is still expired.
@@ -119,19 +193,17 @@ class Reaper:
         await enqueue_rollouts_async(self._queue(state), [rid], at_front=True)
         log_event(
             log, logging.WARNING, "reaped",
-            f"rollout {rid} attempt {state.attempt}: lease of worker {state.worker_id} "
-            f"expired; aborted (worker_lost), requeued on {state.queue}",
+            f"rollout {rid} attempt {state.attempt}: {why}; aborted (worker_lost), requeued "
+            f"on {state.queue}",
             rollout_id=rid, attempt=state.attempt, worker=self.worker_id,
             lost_worker=state.worker_id, reason=AbortReason.WORKER_LOST.value,
-            queue=state.queue,
+            queue=state.queue, how="process_gone" if gone else "lease_expired",
         )  # fmt: skip
         return True
 
-    async def _abort_lost(self, state: RolloutState) -> RolloutState:
+    async def _abort_lost(self, state: RolloutState, why: str) -> RolloutState:
         """Record that the rollout's worker was lost; fail it if that spends its budget."""
-        [lost] = commands.abort(
-            state, AbortReason.WORKER_LOST, f"lease of {state.worker_id} expired"
-        )
+        [lost] = commands.abort(state, AbortReason.WORKER_LOST, why)
         count = await worker_lost_aborts(self.store, state.rollout_id) + 1
         if count < self.max_worker_lost:
             aborted = await self.store.append(state, lost)
@@ -139,7 +211,7 @@ class Reaper:
             return aborted
         error = (
             f"{count} workers were lost under this rollout (limit {self.max_worker_lost}); "
-            f"the last was {state.worker_id}, whose lease expired"
+            f"the last was {state.worker_id} ({why})"
         )
         failed = await record_failure(
             self.store, state, error, FailureClass.WORKER_LOST, before=[lost],
@@ -183,7 +255,18 @@ class Reaper:
 
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
         """Pass after pass until ``stop`` is set (checked between passes, so a cancel that
-        redis-py swallows cannot keep it running)."""
+        redis-py swallows cannot keep it running), and the presence checks beside them."""
+        watch = None
+        if self.presence is not None:
+            watch = asyncio.create_task(self._watch(self.presence.check_s, stop), name="watch")
+        try:
+            await self._passes(interval_s, stop)
+        finally:
+            if watch is not None:
+                watch.cancel()
+                await asyncio.wait([watch], timeout=defaults.LOOP_STOP_S)
+
+    async def _passes(self, interval_s: float, stop: asyncio.Event) -> None:
         passes = 0
         while not stop.is_set():
             try:
@@ -196,3 +279,18 @@ class Reaper:
             passes += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
+
+    async def _watch(self, every_s: float, stop: asyncio.Event) -> None:
+        failing = False
+        while not stop.is_set():
+            try:
+                await self.reap_gone()
+                failing = False
+            except Exception:
+                # Redis unreachable: logged once per outage (this runs 4 times a second); the
+                # passes over expired leases carry on regardless.
+                if not failing:
+                    log.warning("presence check failed; retrying", exc_info=True)
+                failing = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
