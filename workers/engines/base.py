@@ -9,7 +9,7 @@ producing for a request once told to.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -76,6 +76,36 @@ class Joined:
     logprobs: np.ndarray  # float32 [n]
     weight_versions: np.ndarray  # int64 [n], the version of each token's chunk
     routed_experts: np.ndarray | None  # [n, layers, top_k] or None (dense)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class End:
+    """How one request's stream ended within a ``Step``: a finish reason (its last tokens are
+    in the same step), or the error its ``generate`` stream would have raised (``EngineError``
+    and its kinds: ``RequestAborted``, ``RequestRejected``, ...)."""
+
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Step:
+    """One engine step's output for every request added with ``StepEngine.add`` that produced
+    tokens in it, as flat arrays (vLLM's engine core outputs and the CPU engine's decode rounds
+    come this way): piece ``i`` is ``counts[i]`` consecutive tokens of ``request_ids[i]`` (one
+    each when ``counts`` is None, vLLM's cadence), laid end to end in ``token_ids``,
+    ``logprobs`` and ``routed_experts`` (as in ``Chunk``). A request appears at most once per
+    step, and a step never spans a weight swap (``weight_version`` sampled all of it).
+    ``ends``: the requests whose stream ended with this step (see ``End``)."""
+
+    request_ids: Sequence[str]
+    token_ids: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T]
+    counts: np.ndarray | None = None  # int [len(request_ids)], summing to T; None: all 1
+    routed_experts: np.ndarray | None = None  # [T, layers, top_k] or None (dense)
+    weight_version: int = 0
+    ends: Mapping[str, End] = field(default_factory=dict)
 
 
 class Tokens(Protocol):
@@ -172,3 +202,27 @@ class Engine(Protocol):
     async def load_weights(self, source: str, version: int) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    """An engine that can also hand over one step for all its requests at once.
+
+    On a GPU, vLLM streams one token per request per engine step for hundreds of requests; one
+    async iterator step per token per request (``generate``) costs the worker several times
+    what recording the token does. A ``StepEngine`` gives the worker each step whole instead
+    (``workers.stepper`` consumes it in one loop). Contract (tests/engines/test_steps.py):
+    - ``add`` admits a request as ``generate`` would (the same refusals, raised here; an id
+      aborted before it came raises ``RequestAborted``) and its tokens then come in ``steps``,
+      with exactly the tokens, logprobs, routes and versions ``generate`` would have yielded;
+    - ``steps`` yields steps while requests added with ``add`` are in flight and returns once
+      none is; one consumer at a time; it raises ``EngineDead`` if the engine died;
+    - ``abort`` (the ``Engine`` one) works on these requests too: once it returns, no piece of
+      the request comes any more, and its end (``RequestAborted``) may still be reported.
+    """
+
+    async def add(self, request: EngineRequest) -> None: ...
+
+    def steps(self) -> AsyncIterator[Step]: ...
+
+    async def abort(self, request_id: str) -> None: ...

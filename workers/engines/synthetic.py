@@ -18,6 +18,11 @@ an engine failure the worker retries within its budget) and ``reject_rollouts`` 
 these rollout ids raise RequestRejected: the worker's request ids are ``<rollout id>#<attempt>``;
 it picks one sample of a group, whose samples share their prompt).
 
+Besides ``generate`` it is a ``StepEngine`` (``add``/``steps``): every request added is
+advanced by one chunk per step, all in one set of numpy operations, so that the GPU-cadence
+benchmark (``bench/bench_overhead.py``, ``gpu_cadence_*``) measures the worker, not this
+engine. Both paths give a request exactly the same tokens, logprobs and routes.
+
 ``token_delay_s`` paces it (seconds per token, slept once per chunk), so that process tests
 can kill or stop a worker mid-generation; ``rollouts worker --engine synthetic`` reads its
 options from ``$ROLLOUTS_SYNTHETIC_ENGINE`` (``workers.engine_factory``).
@@ -31,7 +36,7 @@ from collections.abc import AsyncIterator, Iterable
 import numpy as np
 
 from statemachine import FinishReason
-from workers.engines.base import Chunk, EngineLimits, EngineRequest, expert_dtype
+from workers.engines.base import Chunk, End, EngineLimits, EngineRequest, Step, expert_dtype
 from workers.engines.errors import EngineClosed, EngineError, RequestAborted, RequestRejected
 from workers.engines.inflight import check_request
 
@@ -63,6 +68,13 @@ class SyntheticEngine:
         self.reject_rollouts = frozenset(reject_rollouts)
         self._aborted: set[str] = set()
         self._closed = False
+        # Requests added with ``add``, as parallel arrays (one step is a few numpy operations
+        # over all of them): id, sum of the original prompt, next position, end position.
+        self._ids: list[str] = []
+        self._base = np.empty(0, dtype=np.int64)
+        self._done = np.empty(0, dtype=np.int64)
+        self._end = np.empty(0, dtype=np.int64)
+        self._ends: dict[str, End] = {}  # aborted since the last step, reported by the next
         # Per-token values repeat (routes with period `experts`, logprobs with period 7):
         # precomputed, so a chunk costs a slice and a copy and the benchmark's ceiling measures
         # the worker, not this engine.
@@ -86,7 +98,8 @@ class SyntheticEngine:
         # rollout different tokens or routes are different models.
         return f"synthetic:vocab{self.vocab}-experts{self.experts}x{self.layers}x{self.top_k}"
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
+    def _admit(self, request: EngineRequest) -> tuple[int, int, int]:
+        """The checks both paths make; the request's prompt sum, first and end positions."""
         if self._closed:
             raise EngineClosed("engine is closed")
         check_request(request, self.limits, context_name="context_length")
@@ -96,8 +109,10 @@ class SyntheticEngine:
             raise RequestRejected(f"request {request.request_id!r} is on the reject list")
         prompt, k = request.prompt_token_ids, request.resumed_tokens
         # A resume continues the original prompt's sequence at absolute position k.
-        base = sum(prompt[: len(prompt) - k])
-        done, end = k, k + request.sampling.max_tokens
+        return sum(prompt[: len(prompt) - k]), k, k + request.sampling.max_tokens
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
+        base, done, end = self._admit(request)
         while done < end:
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s * min(self.tokens_per_chunk, end - done))
@@ -122,7 +137,68 @@ class SyntheticEngine:
                 weight_version=self._weight_version,
             )
 
+    async def add(self, request: EngineRequest) -> None:
+        rid = request.request_id
+        if rid in self._aborted:
+            # Aborted before it came (the worker stopped an attempt it was opening).
+            self._aborted.discard(rid)
+            raise RequestAborted(rid)
+        base, done, end = self._admit(request)
+        if rid in self._ids:
+            raise EngineError(f"request id {rid!r} is already in flight")
+        self._ids = [*self._ids, rid]  # a new list: a step handed out keeps its own
+        self._base = np.append(self._base, base)
+        self._done = np.append(self._done, done)
+        self._end = np.append(self._end, end)
+
+    async def steps(self) -> AsyncIterator[Step]:
+        while self._ids or self._ends:
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s * self.tokens_per_chunk)
+            else:
+                await asyncio.sleep(0)  # one step per loop iteration, like a real engine
+            yield self._step()
+
+    def _step(self) -> Step:
+        ids, base, done, end = self._ids, self._base, self._done, self._end
+        n = np.minimum(self.tokens_per_chunk, end - done)
+        if self.tokens_per_chunk == 1:
+            counts, positions, bases = None, done, base
+        else:
+            counts = n
+            starts = np.cumsum(n) - n
+            positions = np.repeat(done - starts, n) + np.arange(int(n.sum()))
+            bases = np.repeat(base, n)
+        routes = None
+        if self._routes is not None:
+            routes = self._routes[positions % self.experts]
+        ends, self._ends = self._ends, {}
+        step = Step(
+            request_ids=ids,
+            counts=counts,
+            token_ids=((bases + positions) % self.vocab).astype(np.int32),
+            logprobs=self._logprobs[positions % LOGPROB_PERIOD],
+            routed_experts=routes,
+            weight_version=self._weight_version,
+            ends=ends,
+        )
+        self._done = done = done + n
+        finished = done >= end
+        if finished.any():
+            for i in np.flatnonzero(finished).tolist():
+                ends[ids[i]] = End(finish_reason=FinishReason.LENGTH)
+            self._drop(~finished)
+        return step
+
+    def _drop(self, keep: np.ndarray) -> None:
+        self._ids = [rid for rid, k in zip(self._ids, keep.tolist(), strict=True) if k]
+        self._base, self._done, self._end = self._base[keep], self._done[keep], self._end[keep]
+
     async def abort(self, request_id: str) -> None:
+        if request_id in self._ids:
+            self._drop(np.array([rid != request_id for rid in self._ids], dtype=bool))
+            self._ends[request_id] = End(error=RequestAborted(request_id))
+            return
         self._aborted.add(request_id)
 
     async def load_weights(self, source: str, version: int) -> None:

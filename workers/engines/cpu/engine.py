@@ -11,7 +11,9 @@ writer, and a reader that hands every chunk to the event loop that asked for it 
 may be used from several loops).
 
 Chunking: one chunk per sampled token (per decode step), carrying the weight version that
-sampled it.
+sampled it. It is also a ``StepEngine``: requests added with ``add`` come back a decode round
+at a time (``steps``), one ``Step`` per frame for all of them, built by the reader thread and
+handed to the event loop with one wake-up, instead of one queue item per token per request.
 
 Abort: `abort` marks the stream aborted on the event loop at once (anything already queued
 for it is dropped and its iterator raises RequestAborted) and tells the core, which forgets
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -44,7 +47,7 @@ import numpy as np
 
 from statemachine.codec import unpack_array
 from statemachine.status import FinishReason
-from workers.engines.base import Chunk, EngineLimits, EngineRequest
+from workers.engines.base import Chunk, End, EngineLimits, EngineRequest, Step
 from workers.engines.cpu.wire import FrameReader, write_frame
 from workers.engines.errors import (
     EngineClosed,
@@ -81,7 +84,8 @@ class _Stream(Stream):
     """Event-loop side of one request: its serial number for the core, and its queue."""
 
     serial: int
-    queue: asyncio.Queue[Any]
+    queue: asyncio.Queue[Any] | None  # None: a request added with ``add`` (its tokens in steps)
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +117,11 @@ class CpuEngine(InFlightEngine[_Stream]):
         # token's reply, and the error every later call gets once the core is gone.
         self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Any]] = {}
+        # Guarded by _lock: serial -> request id of the requests added with ``add``, and where
+        # their steps go (one loop and queue per engine: ``steps`` has one consumer).
+        self._step_sinks: dict[int, str] = {}
+        self._step_out: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]] | None = None
+        self._step_open: set[str] = set()  # on the event loop: added, end not yet consumed
         self._gone: EngineError | None = None
         # Messages for the core, written by a thread of their own: a write blocks while the
         # pipe is full (a long prompt, the core busy with a weight load), and the event loop
@@ -157,19 +166,20 @@ class CpuEngine(InFlightEngine[_Stream]):
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         self._check_request(request)
         loop = asyncio.get_running_loop()
-        stream = _Stream(serial=next(self._serials), queue=asyncio.Queue())
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        stream = _Stream(serial=next(self._serials), queue=queue)
         self._track(request.request_id, stream)
         finished = False
         try:
             with self._lock:
                 self._raise_if_gone()  # under the lock: the reader's last sweep sees this sink
-                self._sinks[stream.serial] = (loop, stream.queue)
+                self._sinks[stream.serial] = (loop, queue)
             self._send(
                 ["add", stream.serial, list(request.prompt_token_ids),
                  request.sampling.to_dict(), request.resumed_tokens]
             )  # fmt: skip
             while True:
-                item = await stream.queue.get()
+                item = await queue.get()
                 if stream.aborted:
                     # Late outputs after abort() are dropped, whatever was already queued.
                     raise RequestAborted(f"request {request.request_id!r} was aborted")
@@ -186,8 +196,45 @@ class CpuEngine(InFlightEngine[_Stream]):
                 # Aborted, or the consumer stopped iterating: free the core's slot.
                 self._abort_serial(stream.serial)
 
+    async def add(self, request: EngineRequest) -> None:
+        self._check_request(request)
+        loop = asyncio.get_running_loop()
+        rid = request.request_id
+        stream = _Stream(serial=next(self._serials), queue=None, request_id=rid)
+        with self._lock:
+            self._raise_if_gone()  # under the lock: the reader's last sweep sees this sink
+            if self._step_out is None or self._step_out[0] is not loop:
+                self._step_out = (loop, asyncio.Queue())
+            self._step_sinks[stream.serial] = rid
+        self._track(rid, stream)
+        self._step_open.add(rid)
+        self._send(
+            ["add", stream.serial, list(request.prompt_token_ids),
+             request.sampling.to_dict(), request.resumed_tokens]
+        )  # fmt: skip
+
+    async def steps(self) -> AsyncIterator[Step]:
+        out = self._step_out
+        while out is not None and (self._step_open or not out[1].empty()):
+            item = await out[1].get()
+            if isinstance(item, BaseException):
+                raise item
+            for rid in item.ends:
+                self._step_open.discard(rid)
+                stream = self._streams.get(rid)
+                if stream is not None and stream.queue is None:
+                    self._untrack(rid, stream)
+            yield item
+
     async def _stop(self, stream: _Stream) -> None:
-        stream.queue.put_nowait(_END)
+        if stream.queue is None:
+            # Added with ``add``: its end is reported in the steps, as an abort.
+            self._step_open.discard(stream.request_id)
+            aborted = RequestAborted(f"request {stream.request_id!r} was aborted")
+            if self._step_out is not None:
+                self._step_out[1].put_nowait(_ended({stream.request_id: End(error=aborted)}))
+        else:
+            stream.queue.put_nowait(_END)
         self._abort_serial(stream.serial)
 
     async def load_weights(self, source: str, version: int) -> None:
@@ -225,6 +272,7 @@ class CpuEngine(InFlightEngine[_Stream]):
     def _abort_serial(self, serial: int) -> None:
         with self._lock:
             known = self._sinks.pop(serial, None) is not None
+            known = self._step_sinks.pop(serial, None) is not None or known
         if known:
             self._send(["abort", serial])
 
@@ -302,7 +350,11 @@ class CpuEngine(InFlightEngine[_Stream]):
             self._gone = gone
             sinks, self._sinks = self._sinks, {}
             replies, self._replies = self._replies, {}
+            stepping, self._step_sinks = self._step_sinks, {}
         posts: dict[asyncio.AbstractEventLoop, list[tuple[Post, Any]]] = {}
+        if stepping and self._step_out is not None:
+            loop, steps = self._step_out
+            posts.setdefault(loop, []).append((steps.put_nowait, _fresh(gone)))
         for loop, chunks in sinks.values():
             posts.setdefault(loop, []).append((chunks.put_nowait, _fresh(gone)))
         for loop, future, _ in replies.values():
@@ -311,9 +363,15 @@ class CpuEngine(InFlightEngine[_Stream]):
 
     def _dispatch(self, messages: list[Any]) -> None:
         posts: dict[asyncio.AbstractEventLoop, list[tuple[Post, Any]]] = {}
+        steps = _StepBuilder()
         with self._lock:
             for message in messages:
                 kind = message[0]
+                rid = self._step_sinks.get(message[1]) if kind in ("chunk", "error") else None
+                if rid is not None:
+                    if steps.take(rid, message):
+                        del self._step_sinks[message[1]]
+                    continue
                 if kind == "chunk":
                     _, serial, token, logprob, routes, finish, stop_reason, version = message
                     sink = self._sinks.get(serial)
@@ -345,6 +403,9 @@ class CpuEngine(InFlightEngine[_Stream]):
                         )
                 else:
                     log.warning("CPU engine: unknown message %r from the core", kind)
+            if steps and self._step_out is not None:
+                loop, queue_ = self._step_out
+                posts.setdefault(loop, []).extend((queue_.put_nowait, s) for s in steps.build())
         _post_all(posts)
 
     def _answer(self, message: list[Any], context: Any) -> Any:
@@ -407,6 +468,68 @@ def _spawn(
     os.close(to_core_r)
     os.close(from_core_w)
     return proc, to_core_w, from_core_r
+
+
+class _StepBuilder:
+    """The messages of one read for requests added with ``add``, as ``Step``s: one per decode
+    round and weight version (normally one per read), the ends in the last."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[str, Any, Any, Any, int]] = []  # rid, token, logprob, routes, v
+        self.ends: dict[str, End] = {}
+
+    def take(self, rid: str, message: list[Any]) -> bool:
+        """Add a chunk or error message of ``rid``; True if its stream ended with it."""
+        if message[0] == "error":
+            _, _, error, text = message
+            self.ends[rid] = End(error=_ERRORS.get(error, EngineError)(text))
+            return True
+        _, _, token, logprob, routes, finish, stop_reason, version = message
+        self.parts.append((rid, token, logprob, routes, version))
+        if finish is None:
+            return False
+        self.ends[rid] = End(finish_reason=FinishReason(finish), stop_reason=stop_reason)
+        return True
+
+    def __bool__(self) -> bool:
+        return bool(self.parts or self.ends)
+
+    def build(self) -> list[Step]:
+        runs: list[list[tuple[str, Any, Any, Any, int]]] = []
+        seen: set[str] = set()
+        for part in self.parts:
+            # A read may hold several decode rounds: a request appears once per step.
+            if not runs or runs[-1][-1][4] != part[4] or part[0] in seen:
+                runs.append([])
+                seen.clear()
+            runs[-1].append(part)
+            seen.add(part[0])
+        steps = [
+            Step(
+                request_ids=[p[0] for p in run],
+                token_ids=np.array([p[1] for p in run], dtype=np.int32),
+                logprobs=np.array([p[2] for p in run], dtype=np.float32),
+                routed_experts=(
+                    None if run[0][3] is None else np.concatenate([unpack_array(p[3]) for p in run])
+                ),
+                weight_version=run[0][4],
+            )
+            for run in runs
+        ]
+        ends = _ended(self.ends)
+        if steps:
+            steps[-1] = dataclasses.replace(steps[-1], ends=self.ends)
+        return steps or [ends]
+
+
+def _ended(ends: dict[str, End]) -> Step:
+    """A step without tokens that only ends streams."""
+    return Step(
+        request_ids=[],
+        token_ids=np.empty(0, dtype=np.int32),
+        logprobs=np.empty(0, dtype=np.float32),
+        ends=ends,
+    )
 
 
 def _fresh(error: EngineError) -> EngineError:

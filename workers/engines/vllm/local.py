@@ -47,7 +47,8 @@ from workers.engines.errors import (
 from workers.engines.identity import eos_token_ids
 from workers.engines.inflight import check_request
 from workers.engines.vllm.ext import EXTENSION, RELOAD_METHOD
-from workers.engines.vllm.swap import SubRequest, SwappingEngine, read_config
+from workers.engines.vllm.stepping import SteppedRequest, SteppingVllm
+from workers.engines.vllm.swap import SubRequest, read_config
 from workers.engines.vllm.translate import (
     ABORT,
     continuation,
@@ -85,8 +86,9 @@ class VllmOptions:
     extra: tuple[tuple[str, Any], ...] = ()
 
 
-class VllmEngine(SwappingEngine[SubRequest]):
-    """`Engine` on an in-process `vllm.v1.engine.async_llm.AsyncLLM`."""
+class VllmEngine(SteppingVllm):
+    """`Engine` on an in-process `vllm.v1.engine.async_llm.AsyncLLM`; also a ``StepEngine``
+    (``stepping.py``)."""
 
     def __init__(
         self,
@@ -123,7 +125,9 @@ class VllmEngine(SwappingEngine[SubRequest]):
         self._vocab = int(config["vocab_size"])
         self._eos = eos_token_ids(model_dir)
         self._expert_dtype = config_expert_dtype(config)
+        self._routed = opts.routed_experts
         self._serials = itertools.count()
+        self._init_steps()
 
     # ---- generate ------------------------------------------------------------------
 
@@ -245,6 +249,8 @@ class VllmEngine(SwappingEngine[SubRequest]):
     # ---- abort, weights, close -------------------------------------------------------
 
     async def _stop(self, stream: SubRequest) -> None:
+        if isinstance(stream, SteppedRequest):
+            self._stepped_stop(stream)
         if stream.wake is not None:
             stream.wake.set()
         if stream.sub_id is not None and not self._closed:
@@ -283,6 +289,7 @@ class VllmEngine(SwappingEngine[SubRequest]):
         if self._closed:
             return
         self._closed = True
+        self._woken.set()  # steps() ends its streams with EngineClosed
         for stream in list(self._streams.values()):
             stream.aborted = True
             if stream.wake is not None:
