@@ -80,7 +80,7 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         t0 = time.perf_counter()
         await direct(engine, reqs[: args.concurrency], args.concurrency)  # warm-up (compiles)
         warmup_s = time.perf_counter() - t0
-        stepped = {"steps": None, "generate": False}[args.interface]
+        stepped = {"steps": True, "generate": False}[args.interface]
         side = await compare(
             engine, server.url, reqs, args.concurrency, args.rounds, stepped=stepped
         )
