@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,8 +179,11 @@ async def test_add_refuses_what_generate_refuses(step_engine: Any) -> None:
     vocab = step_engine.limits.vocab_size
     with pytest.raises(RequestRejected):
         await step_engine.add(request("bad", (vocab + 5,), 4))
-    await step_engine.abort("early")  # before it came: remembered
+    # An id of its own: the engines are pooled across tests, and one that ended under the
+    # same id (the contract suite's "early") makes a later abort of it a no-op, rightly.
+    early = f"early-{uuid.uuid4().hex}"
+    await step_engine.abort(early)  # before it came: remembered
     with pytest.raises(RequestAborted):
-        await step_engine.add(request("early", PROMPTS[0], 4))
+        await step_engine.add(request(early, PROMPTS[0], 4))
     # Nothing in flight: steps end at once.
     assert [s async for s in step_engine.steps() if s.request_ids] == []
