@@ -9,7 +9,8 @@ Order and atomicity (the choice issue 13 asks to explain):
    (``<batch>.<group>.<sample>``): nothing can hold them (should something, step 4 still
    refuses to overwrite it).
 3. The batch record is created once (``create_batch.lua``).
-4. The new rollouts go in chunks of 1,000, each chunk one script (``submit_chunk.lua``): the
+4. The new rollouts go in chunks of 1,000, each chunk one script (``submit_chunk.lua``, two in
+   flight at once, see ``scripts.run_windowed_sync``): the
    ``Submitted`` records (the fields ``append.lua`` writes for a first event), their rq jobs
    (the hashes rq's enqueue writes, see ``store.queue.JobWriter``), each job's id beside its
    rollout's snapshot (for ``ack``), and the push onto the queue. A script runs whole or not
@@ -29,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,24 +102,42 @@ def record(
 ) -> None:
     """Record ``submission`` and enqueue its new rollouts (blocking: rq is synchronous)."""
     keys = store.keys
-    events = submission.events
     recorded = _check_batch(conn, keys, submission)
     fresh = not recorded and not named_ids
-    new = list(events) if fresh else _new_rollouts(conn, keys, events, chunk)
+    # A retry's or named ids' rollouts are looked up before anything is written.
+    new = [] if fresh else _new_rollouts(conn, keys, submission, chunk)
     ids_field = msgpack.packb(submission.ids) if named_ids else b""
     reply = scripts.run_sync(
         conn,
         scripts.CREATE_BATCH,
         [keys.batch(submission.batch_id), keys.batches()],
-        [submission.batch_id, submission.fingerprint, len(events) // submission.group_size,
+        [submission.batch_id, submission.fingerprint, len(submission) // submission.group_size,
          submission.group_size, ids_field, queue.name, retention_s, repr(time.time())],
     )  # fmt: skip
     if reply == b"different":  # recorded by a racing submit since the check
         raise _conflict(submission)
-    raced: list[RolloutExists] = []
     jobs = JobWriter(queue)
-    for start in range(0, len(new), chunk):
-        raced += _record_chunk(conn, jobs, store, new[start : start + chunk])
+    parts: list[list[Submitted]] = []
+
+    def calls() -> Iterator[tuple[list[str], list[Any]]]:
+        # A fresh batch's events are made chunk by chunk, chunk k+1 while Redis records chunk
+        # k (each takes about as long as the other).
+        if fresh:
+            n = len(submission)
+            chunks = (submission.events_between(i, i + chunk) for i in range(0, n, chunk))
+        else:
+            chunks = (new[i : i + chunk] for i in range(0, len(new), chunk))
+        for part in chunks:
+            parts.append(part)
+            yield _chunk_call(store, jobs, part)
+
+    replies = scripts.run_windowed_sync(conn, scripts.SUBMIT_CHUNK, calls())
+    raced = [
+        RolloutExists(e.rollout_id, 1, 1)
+        for part, statuses in zip(parts, replies, strict=True)
+        for e, status in zip(part, statuses, strict=True)
+        if status == b"conflict"
+    ]
     if raced:
         # Another writer took an id between the lookup and the write: those ids hold its
         # rollouts; everything else of this submission is recorded and enqueued.
@@ -140,12 +159,12 @@ def _conflict(submission: Submission) -> BatchConflict:
 
 
 def _new_rollouts(
-    conn: Redis, keys: Keys, events: Sequence[Submitted], chunk: int
+    conn: Redis, keys: Keys, submission: Submission, chunk: int
 ) -> list[Submitted]:
     """The events whose rollout does not exist yet; refuses if one exists with another request."""
     new: list[Submitted] = []
-    for start in range(0, len(events), chunk):
-        part = events[start : start + chunk]
+    for start in range(0, len(submission), chunk):
+        part = submission.events_between(start, start + chunk)
         with conn.pipeline(transaction=False) as pipe:
             for e in part:
                 pipe.hget(keys.snapshot(e.rollout_id), SUBMITTED)
@@ -160,9 +179,10 @@ def _new_rollouts(
     return new
 
 
-def _record_chunk(
-    conn: Redis, jobs: JobWriter, store: EventStore, events: Sequence[Submitted]
-) -> list[RolloutExists]:
+def _chunk_call(
+    store: EventStore, jobs: JobWriter, events: Sequence[Submitted]
+) -> tuple[list[str], list[Any]]:
+    """The keys and arguments of one ``submit_chunk.lua`` call."""
     keys: list[str] = [store.keys.stats(), jobs.queue.key, jobs.queue.redis_queues_keys]
     shared = jobs.shared()
     args: list[Any] = [len(events), len(shared)]
@@ -177,12 +197,7 @@ def _record_chunk(
         # The record and the head as lua/append.lua would get them (p.args[2:4]).
         args += [p.args[2], p.args[3], job_id, jobs.data(e.rollout_id),
                  jobs.description(e.rollout_id)]  # fmt: skip
-    statuses = scripts.run_sync(conn, scripts.SUBMIT_CHUNK, keys, args)
-    return [
-        RolloutExists(e.rollout_id, 1, 1)
-        for e, status in zip(events, statuses, strict=True)
-        if status == b"conflict"
-    ]
+    return keys, args
 
 
 def info(conn: Redis, keys: Keys, batch_id: str) -> BatchInfo | None:

@@ -91,7 +91,14 @@ class JobWriter:
     def shared(self) -> dict[str, Any]:
         """The fields every job of one enqueue has in common (stamped now)."""
         stamp = utcformat(now())
-        fields = {k: v for k, v in self._fields.items() if k not in ("data", "description")}
+        # rq writes 8 of its fields empty (callbacks, started_at, worker_name, ...) and reads
+        # each with ``obj.get(name)``'s truth (``Job.restore``): a field left out reads the same,
+        # and a job hash of 9 fields instead of 17 is ~a fifth of Redis' CPU for a submit.
+        fields = {
+            k: v
+            for k, v in self._fields.items()
+            if k not in ("data", "description") and v != ""
+        }
         fields["created_at"] = fields["enqueued_at"] = stamp
         return fields
 

@@ -15,7 +15,8 @@ script of the same transaction let them (see ``lua/append.lua``).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -24,7 +25,9 @@ from typing import Any
 import hiredis
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ExecAbortError, NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Arg = int | str | bytes
 
@@ -35,9 +38,9 @@ def script_text(name: str) -> str:
 
 
 class Script:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, text: str | None = None) -> None:
         self.name = name
-        self.text = script_text(name)
+        self.text = script_text(name) if text is None else text
         self.sha = hashlib.sha1(self.text.encode()).hexdigest()
 
     async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[Arg]) -> Any:
@@ -164,6 +167,86 @@ def run_sync(client: SyncRedis, script: Script, keys: Sequence[str], args: Seque
         # EVAL, not SCRIPT LOAD then EVALSHA: a server restarting in between (its script cache
         # is not persisted) would refuse the EVALSHA again. EVAL caches it as well.
         return client.execute_command("EVAL", script.text, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+
+
+def run_windowed_sync(
+    client: SyncRedis,
+    script: Script,
+    calls: Iterable[tuple[Sequence[str], Sequence[Arg]]],
+    *,
+    window: int = 2,
+) -> list[Any]:
+    """Run ``script`` once per call, in order, keeping up to ``window`` calls in flight on one
+    connection: the caller builds call k+1 (``calls`` may be a generator) while Redis runs
+    call k, instead of waiting out each reply. One reply per call, in order.
+
+    Only for scripts that are atomic and recognise a repeat: a call whose reply was lost with
+    the connection ran whole or not at all, and is run again (``run_sync``, with the client's
+    retries) along with every call not answered yet. A call answered NOSCRIPT (a restart
+    emptied the script cache) did not run, and is run again by its text. An error raised by
+    ``calls`` itself is raised once the calls already sent have been answered."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    pending: list[tuple[Sequence[str], Sequence[Arg]]] = []
+    sent: deque[int] = deque()  # indexes of the calls sent and not answered yet, in order
+    again: list[int] = []
+    replies: list[Any] = []
+    source = iter(calls)
+    build_error: BaseException | None = None
+    try:
+        try:
+            while True:
+                try:
+                    call = next(source)
+                except StopIteration:
+                    break
+                except Exception as exc:  # the caller's, not Redis': raised after the drain
+                    build_error = exc
+                    break
+                pending.append(call)
+                replies.append(None)
+                sent.append(len(pending) - 1)  # before sending: a send that fails goes again
+                keys, args = call
+                packed = hiredis.pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))  # type: ignore[arg-type]
+                conn.send_packed_command([packed])  # type: ignore[no-untyped-call]
+                while len(sent) >= window:
+                    _read_next(conn, sent, replies, again)
+        finally:
+            # Whatever ended the loop (the last call, an error building the next one), the
+            # calls on the wire are answered first, so that what was sent is known to be done.
+            while sent:
+                _read_next(conn, sent, replies, again)
+    except _LOST:
+        conn.disconnect()  # type: ignore[no-untyped-call]
+        again += sent
+        sent.clear()
+        for call in source:  # the calls not sent yet
+            pending.append(call)
+            replies.append(None)
+            again.append(len(pending) - 1)
+    except BaseException:
+        conn.disconnect()  # type: ignore[no-untyped-call]  # replies may be left unread on it
+        raise
+    finally:
+        pool.release(conn)
+    for i in sorted(again):
+        keys, args = pending[i]
+        replies[i] = run_sync(client, script, keys, args)
+    if build_error is not None:
+        raise build_error
+    return replies
+
+
+_LOST = (RedisConnectionError, RedisTimeoutError)
+
+
+def _read_next(conn: Any, sent: deque[int], replies: list[Any], again: list[int]) -> None:
+    i = sent[0]
+    try:
+        replies[i] = conn.read_response()
+    except NoScriptError:
+        again.append(i)
+    sent.popleft()
 
 
 APPEND = Script("append")

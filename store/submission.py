@@ -54,16 +54,49 @@ Prompt = RolloutRequest | ChatRequest
 
 @dataclass(frozen=True, slots=True)
 class Submission:
-    """A checked submission: its batch, the rollout ids (group-major), the events to record."""
+    """A checked submission: its batch, the rollout ids (group-major), and what their
+    ``Submitted`` events are made of. The events are made when asked for (``events_between``:
+    the submit makes them chunk by chunk, while Redis records the previous chunk); all of
+    them differ only in their id and indexes, which ``build`` checked, and ``build`` makes
+    the first and the last, so that making any of them cannot fail once writing started."""
 
     batch_id: str
     group_size: int
-    events: list[Submitted]
+    ids: list[str]
+    requests: list[RolloutRequest]  # one per group, in its group
+    group_policy: GroupPolicy
+    queue: str
+    admitted_version: int
+    at: float
     fingerprint: str
 
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def event(self, k: int) -> Submitted:
+        g, sample = divmod(k, self.group_size)
+        member = Membership(
+            batch_id=self.batch_id,
+            group_index=g,
+            sample_index=sample,
+            group_size=self.group_size,
+            group_policy=self.group_policy,
+        )
+        return commands.submit(
+            self.ids[k],
+            self.requests[g],
+            admitted_version=self.admitted_version,
+            queue=self.queue,
+            membership=member,
+            at=self.at,
+        )
+
+    def events_between(self, start: int, stop: int) -> list[Submitted]:
+        return [self.event(k) for k in range(start, min(stop, len(self.ids)))]
+
     @property
-    def ids(self) -> list[str]:
-        return [e.rollout_id for e in self.events]
+    def events(self) -> list[Submitted]:
+        return self.events_between(0, len(self.ids))
 
     def groups(self) -> list[list[str]]:
         ids = self.ids
@@ -129,24 +162,19 @@ def build(
         r if r.group_id is not None else r.in_group(f"{batch_id}.{g}")
         for g, r in enumerate(requests)
     ]
-    events = []
-    for k, rid in enumerate(rollout_ids):
-        g, s = divmod(k, n)
-        member = Membership(
-            batch_id=batch_id, group_index=g, sample_index=s, group_size=n, group_policy=policy
-        )
-        request = requests[g]
-        events.append(
-            commands.submit(
-                rid,
-                request,
-                admitted_version=admitted_version,
-                queue=queue,
-                membership=member,
-                at=at,
-            )
-        )
-    return Submission(batch_id=batch_id, group_size=n, events=events, fingerprint=fingerprint)
+    made = Submission(
+        batch_id=batch_id,
+        group_size=n,
+        ids=rollout_ids,
+        requests=requests,
+        group_policy=policy,
+        queue=queue,
+        admitted_version=admitted_version,
+        at=at,
+        fingerprint=fingerprint,
+    )
+    made.event(0), made.event(total - 1)  # the others differ only in what was checked above
+    return made
 
 
 def same_submission(a: Submitted, b: Submitted) -> bool:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -173,6 +174,32 @@ async def test_an_aborted_request_yields_nothing_more_and_the_others_go_on(
     assert len(out["stop"].token_ids) == seen_after[0] < 400  # nothing after abort returned
     if out["stop"].end is not None:  # reporting the abort is allowed, not required
         assert isinstance(out["stop"].end.error, RequestAborted)
+
+
+async def test_nothing_of_an_aborted_request_comes_even_from_steps_made_before_the_abort(
+    step_engine: Any,
+) -> None:
+    # A consumer that lags (a worker under load) lets the engine run steps ahead of it; the
+    # abort must still hold for what was produced before it and not read yet. The CPU engine
+    # once yielded the steps its reader had queued, aborted request's tokens included (CI saw
+    # 5 tokens where 3 had been read at the abort).
+    stop = f"stop-{uuid.uuid4().hex}"
+    reqs = [request("keep-lag", PROMPTS[0], 24), request(stop, PROMPTS[1], 400)]
+    out = {r.request_id: Stepped() for r in reqs}
+    for r in reqs:
+        await step_engine.add(r)
+    n, at_abort = 0, -1
+    async for step in step_engine.steps():
+        read(step, out)
+        n += 1
+        if n == 2:
+            await asyncio.sleep(0.5)  # the engine runs ahead of this consumer
+            await step_engine.abort(stop)
+            at_abort = len(out[stop].token_ids)
+    assert len(out["keep-lag"].token_ids) == 24
+    assert len(out[stop].token_ids) == at_abort  # nothing after the abort, queued or not
+    if out[stop].end is not None:
+        assert isinstance(out[stop].end.error, RequestAborted)
 
 
 async def test_add_refuses_what_generate_refuses(step_engine: Any) -> None:

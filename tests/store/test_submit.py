@@ -180,7 +180,8 @@ async def test_ten_thousand_rollouts_take_a_bounded_number_of_round_trips(
 async def test_a_failure_between_chunks_strands_nothing_and_a_retry_completes(
     client: RolloutClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = batches._record_chunk
+    # The second chunk fails while it is built, with the first one on the wire.
+    real = batches._chunk_call
     calls = {"n": 0}
 
     def flaky(*args: Any) -> Any:
@@ -189,14 +190,14 @@ async def test_a_failure_between_chunks_strands_nothing_and_a_retry_completes(
             raise ConnectionError("Redis went away between chunks")
         return real(*args)
 
-    monkeypatch.setattr(batches, "_record_chunk", flaky)
+    monkeypatch.setattr(batches, "_chunk_call", flaky)
     prompts = [f.request()] * 5
     with pytest.raises(ConnectionError):
         await client.submit(prompts, n=600, batch_id="big")  # 3,000 rollouts: 3 chunks
     recorded = [rid for rid in (await client.batch("big")).ids if await client.store.exists(rid)]
     # Every recorded rollout has its job, and nothing else has one.
     assert len(recorded) == 1000 and sorted(queued(client)) == sorted(recorded)
-    monkeypatch.setattr(batches, "_record_chunk", real)
+    monkeypatch.setattr(batches, "_chunk_call", real)
     batch = await client.submit(prompts, n=600, batch_id="big")
     assert sorted(queued(client)) == sorted(batch) and len(batch) == 3000
 
@@ -283,7 +284,13 @@ async def test_jobs_written_at_submit_read_back_as_rq_enqueues_them(
     for job, rid in ((fast, "fast"), (slow, "slow")):
         assert (job.func_name, job.args, job.kwargs) == (JOB_FUNC, [], {"rollout_id": rid})
         assert job.description == f"rollout {rid}"
-    same = ("origin", "timeout", "result_ttl", "failure_ttl", "ttl", "meta", "retries_left")
+    # Everything Job.restore reads: the fields rq writes empty and submit leaves out read the
+    # same as rq's own (started_at ... group_id, the callbacks).
+    same = ("origin", "timeout", "result_ttl", "failure_ttl", "ttl", "meta", "retries_left",
+            "started_at", "ended_at", "last_heartbeat", "worker_name", "group_id",
+            "_success_callback_name", "_failure_callback_name", "_stopped_callback_name",
+            "_dependency_ids", "allow_dependency_failures", "number_of_retries",
+            "retry_intervals", "enqueue_at_front_on_retry", "repeats_left")  # fmt: skip
     assert {a: getattr(fast, a) for a in same} == {a: getattr(slow, a) for a in same}
     assert fast.get_status() == slow.get_status() == "queued"
     assert fast.enqueued_at is not None and fast.created_at is not None

@@ -219,12 +219,37 @@ class CpuEngine(InFlightEngine[_Stream]):
             item = await out[1].get()
             if isinstance(item, BaseException):
                 raise item
+            item = self._still_open(item)
             for rid in item.ends:
                 self._step_open.discard(rid)
                 stream = self._streams.get(rid)
                 if stream is not None and stream.queue is None:
                     self._untrack(rid, stream)
             yield item
+
+    def _still_open(self, step: Step) -> Step:
+        """``step`` without what it holds of requests aborted since the reader queued it (the
+        reader builds steps ahead of the consumer): after ``abort`` returns, no token of the
+        request comes, and its only end is the abort's."""
+        is_open = self._step_open.__contains__
+        if all(map(is_open, step.request_ids)) and all(map(is_open, step.ends)):
+            return step
+        keep = [i for i, rid in enumerate(step.request_ids) if is_open(rid)]
+        ends = {
+            rid: end
+            for rid, end in step.ends.items()
+            if is_open(rid) or isinstance(end.error, RequestAborted)
+        }
+        rows = np.asarray(keep, dtype=np.intp)  # one token per request: the CPU core's steps
+        routes = step.routed_experts
+        return dataclasses.replace(
+            step,
+            request_ids=[step.request_ids[i] for i in keep],
+            token_ids=step.token_ids[rows],
+            logprobs=step.logprobs[rows],
+            routed_experts=None if routes is None else routes[rows],
+            ends=ends,
+        )
 
     async def _stop(self, stream: _Stream) -> None:
         if stream.queue is None:
