@@ -3,7 +3,8 @@ redis-server (AOF ``appendfsync always``, started here on a free port).
 
 - submit: ``RolloutClient.submit`` of 10,000 rollouts (2,500 prompts of 64 token ids x n=4,
   max_tokens 1,024): checking, building the ``Submitted`` events, the existence lookups, the
-  batch record, the appends and the rq jobs in MULTI/EXEC chunks of 1,000. Against it, raw
+  batch record, the appends and the rq jobs in scripts of 1,000 rollouts (two in flight: the
+  client builds a chunk while Redis records the one before). Against it, raw
   pipelined ``XADD`` of the same encoded records (from ``EventStore.prepare``, as
   ``store.batches`` gets them) to the same logs, 1,000 per pipeline, and the same XADDs in
   MULTI/EXEC chunks (``raw_xadd_multi_per_s``: with AOF always, Redis fsyncs once per event-loop

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -185,14 +185,13 @@ def run_windowed_sync(
     retries) along with every call not answered yet. A call answered NOSCRIPT (a restart
     emptied the script cache) did not run, and is run again by its text. An error raised by
     ``calls`` itself is raised once the calls already sent have been answered."""
-    pool = client.connection_pool
-    conn = pool.get_connection()
-    pending: list[tuple[Sequence[str], Sequence[Arg]]] = []
-    sent: deque[int] = deque()  # indexes of the calls sent and not answered yet, in order
-    again: list[int] = []
-    replies: list[Any] = []
+    if not client.script_exists(script.sha)[0]:  # type: ignore[index]
+        # Loaded first (one round trip): otherwise every call of the window would meet NOSCRIPT
+        # and go again one by one. A restart from here on is handled by the window.
+        client.script_load(script.text)
+    w = _Window(client.connection_pool.get_connection(), script)
     source = iter(calls)
-    build_error: BaseException | None = None
+    build_error: Exception | None = None
     try:
         try:
             while True:
@@ -203,50 +202,68 @@ def run_windowed_sync(
                 except Exception as exc:  # the caller's, not Redis': raised after the drain
                     build_error = exc
                     break
-                pending.append(call)
-                replies.append(None)
-                sent.append(len(pending) - 1)  # before sending: a send that fails goes again
-                keys, args = call
-                packed = hiredis.pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))  # type: ignore[arg-type]
-                conn.send_packed_command([packed])  # type: ignore[no-untyped-call]
-                while len(sent) >= window:
-                    _read_next(conn, sent, replies, again)
+                w.send(call)
+                while len(w.sent) >= window:
+                    w.read_next()
         finally:
             # Whatever ended the loop (the last call, an error building the next one), the
             # calls on the wire are answered first, so that what was sent is known to be done.
-            while sent:
-                _read_next(conn, sent, replies, again)
+            while w.sent:
+                w.read_next()
     except _LOST:
-        conn.disconnect()  # type: ignore[no-untyped-call]
-        again += sent
-        sent.clear()
-        for call in source:  # the calls not sent yet
-            pending.append(call)
-            replies.append(None)
-            again.append(len(pending) - 1)
+        w.lost(source)
     except BaseException:
-        conn.disconnect()  # type: ignore[no-untyped-call]  # replies may be left unread on it
+        w.conn.disconnect()  # replies may be left unread on it
         raise
     finally:
-        pool.release(conn)
-    for i in sorted(again):
-        keys, args = pending[i]
-        replies[i] = run_sync(client, script, keys, args)
+        client.connection_pool.release(w.conn)
+    for i in sorted(w.again):
+        keys, args = w.calls[i]
+        w.replies[i] = run_sync(client, script, keys, args)
     if build_error is not None:
         raise build_error
-    return replies
+    return w.replies
 
 
 _LOST = (RedisConnectionError, RedisTimeoutError)
 
 
-def _read_next(conn: Any, sent: deque[int], replies: list[Any], again: list[int]) -> None:
-    i = sent[0]
-    try:
-        replies[i] = conn.read_response()
-    except NoScriptError:
-        again.append(i)
-    sent.popleft()
+class _Window:
+    """The calls of one ``run_windowed_sync``: sent, answered, or to be run again."""
+
+    def __init__(self, conn: Any, script: Script) -> None:
+        self.conn = conn
+        self.script = script
+        self.calls: list[tuple[Sequence[str], Sequence[Arg]]] = []
+        self.replies: list[Any] = []
+        self.sent: deque[int] = deque()  # the calls sent and not answered yet, in order
+        self.again: list[int] = []  # the calls to run again (NOSCRIPT, or their reply lost)
+
+    def send(self, call: tuple[Sequence[str], Sequence[Arg]]) -> None:
+        self.calls.append(call)
+        self.replies.append(None)
+        self.sent.append(len(self.calls) - 1)  # before sending: a send that fails goes again
+        keys, args = call
+        command = ("EVALSHA", self.script.sha, len(keys), *keys, *args)
+        self.conn.send_packed_command([hiredis.pack_command(command)])  # type: ignore[arg-type]
+
+    def read_next(self) -> None:
+        i = self.sent[0]
+        try:
+            self.replies[i] = self.conn.read_response()
+        except NoScriptError:
+            self.again.append(i)
+        self.sent.popleft()
+
+    def lost(self, unsent: Iterator[tuple[Sequence[str], Sequence[Arg]]]) -> None:
+        """The connection dropped: every call not answered, and those not sent, go again."""
+        self.conn.disconnect()
+        self.again += self.sent
+        self.sent.clear()
+        for call in unsent:
+            self.calls.append(call)
+            self.replies.append(None)
+            self.again.append(len(self.calls) - 1)
 
 
 APPEND = Script("append")

@@ -50,6 +50,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(pytest.mark.slow)
+            # Under pytest-xdist (`-n N --dist loadgroup`) every vLLM test runs in one worker,
+            # in the order above: the engines start once, and never twice at a time.
+            item.add_marker(pytest.mark.xdist_group("vllm"))
     if vllm_importable():
         return
     required = os.environ.get(REQUIRE_ENV) == "1"

@@ -44,11 +44,24 @@ def test_replies_come_in_call_order_and_each_call_runs_once(sync: redis.Redis, w
 
 
 def test_calls_refused_as_noscript_run_again_by_text_once(sync: redis.Redis) -> None:
-    # A fresh server (or one whose cache a restart emptied): every EVALSHA is refused
-    # NOSCRIPT without running, and each is run by its text, so each lands exactly once.
-    replies = scripts.run_windowed_sync(sync, COUNTER, calls(4), window=2)
-    assert sorted(replies) == [1, 2, 3, 4]
+    # Not loaded yet: loaded before the first call.
+    assert scripts.run_windowed_sync(sync, COUNTER, calls(2, "a"), window=2) == [1, 2]
+    flusher = redis.Redis(
+        **{k: sync.connection_pool.connection_kwargs[k] for k in ("host", "port")}
+    )
+
+    def flushed_mid_window() -> Iterator[tuple[list[str], list[str]]]:
+        for i in range(4):
+            if i == 1:
+                flusher.script_flush()  # what a restart does to the cache, mid-submit
+            yield ["k"], [str(i)]
+
+    # The calls after the flush are refused NOSCRIPT without running, then run by their text:
+    # each lands exactly once, and the replies stay in call order.
+    replies = scripts.run_windowed_sync(sync, COUNTER, flushed_mid_window(), window=2)
+    flusher.close()
     assert sync.lrange("k", 0, -1) == [b"0", b"1", b"2", b"3"]
+    assert replies == [1, 2, 3, 4]
 
 
 def test_an_error_reply_is_raised_and_the_connection_stays_usable(sync: redis.Redis) -> None:
