@@ -305,6 +305,7 @@ async def test_sigstop_falls_back_to_the_lease_ttl_and_stays_fenced(
     await client.aclose()
 
 
+@pytest.mark.slow  # a worker scenario of 15-25 s: the full suite's
 async def test_a_stalling_event_loop_keeps_its_rollouts(
     server: RedisServer, tmp_path: Path
 ) -> None:
@@ -344,6 +345,7 @@ async def test_a_stalling_event_loop_keeps_its_rollouts(
     await client.aclose()
 
 
+@pytest.mark.slow  # a worker scenario of 15-25 s: the full suite's
 async def test_a_redis_restart_makes_nobody_look_dead(server: RedisServer, tmp_path: Path) -> None:
     """Redis killed and restarted while one worker is stopped (SIGSTOP) for 2 s, so that it
     reconnects well after everyone else: the other worker's watch sees it absent, but within
