@@ -43,7 +43,7 @@ from rq.job import Job
 from statemachine import Submitted, codec
 from store import defaults, scripts
 from store.errors import RolloutExists, StoreError
-from store.event_store import SUBMITTED, EventStore
+from store.event_store import FIRST, EventStore, submitted_record
 from store.keys import Keys
 from store.queue import JobWriter
 from store.submission import Submission, same_submission
@@ -167,9 +167,10 @@ def _new_rollouts(
         part = submission.events_between(start, start + chunk)
         with conn.pipeline(transaction=False) as pipe:
             for e in part:
-                pipe.hget(keys.snapshot(e.rollout_id), SUBMITTED)
+                pipe.xrange(keys.log(e.rollout_id), FIRST, FIRST)
             found = pipe.execute()
-        for e, record in zip(part, found, strict=True):
+        for e, entries in zip(part, found, strict=True):
+            record = submitted_record(entries)
             if record is None:
                 new.append(e)
                 continue

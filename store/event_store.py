@@ -48,11 +48,13 @@ from store.errors import (
 from store.keys import Keys
 
 # The snapshot hash's fields (written by lua/append.lua, read only in store/): the encoded head
-# of the derived scalars, the immutable Submitted record kept beside it for O(1) loads, the
-# status in plain text (for the counters and acks done in Lua), and the id of the rollout's
-# entry in its batch's completion stream once it ended.
+# of the derived scalars, the status in plain text (for the counters and acks done in Lua),
+# and the id of the rollout's entry in its batch's completion stream once it ended. The
+# Submitted record is read from the log's first entry (``FIRST``), which never changes:
+# records written before this also kept a copy in the snapshot (field "sub", still
+# recognised by lua/ack.lua), which doubled the prompt's bytes in Redis.
 HEAD = "head"
-SUBMITTED = "sub"
+FIRST = "0-1"
 STATUS = "st"
 COMPLETION = "cid"
 JOB = "job"  # the rq job enqueued with the Submitted record (append.lua), deleted at ack
@@ -243,10 +245,10 @@ class EventStore:
         """The current state, from the snapshot; token data from the log's token records."""
         async with self.redis.pipeline(transaction=True) as pipe:
             # One MULTI so the head and the log are read at the same instant.
-            pipe.hmget(self.keys.snapshot(rollout_id), [HEAD, SUBMITTED])
+            pipe.hget(self.keys.snapshot(rollout_id), HEAD)
             pipe.xrange(self.keys.log(rollout_id))
-            (head, sub), entries = await pipe.execute()
-        return self._assemble(rollout_id, head, sub, entries)
+            head, entries = await pipe.execute()
+        return self._assemble(rollout_id, head, submitted_record(entries), entries)
 
     async def load_many(self, rollout_ids: Sequence[str]) -> list[RolloutState | Exception]:
         """``load`` of many rollouts in one round trip; each result is the state or that
@@ -254,18 +256,17 @@ class EventStore:
         One MULTI, so every head is read at the same instant as its log, as in ``load``."""
         async with self.redis.pipeline(transaction=True) as pipe:
             for rid in rollout_ids:
-                pipe.hmget(self.keys.snapshot(rid), [HEAD, SUBMITTED])
+                pipe.hget(self.keys.snapshot(rid), HEAD)
                 pipe.xrange(self.keys.log(rid))
             replies = await pipe.execute(raise_on_error=False)
         out: list[RolloutState | Exception] = []
         for i, rid in enumerate(rollout_ids):
-            fields, entries = replies[2 * i], replies[2 * i + 1]
+            head, entries = replies[2 * i], replies[2 * i + 1]
             try:
-                for reply in (fields, entries):
+                for reply in (head, entries):
                     if isinstance(reply, Exception):
                         raise reply
-                head, sub = fields
-                out.append(self._assemble(rid, head, sub, entries))
+                out.append(self._assemble(rid, head, submitted_record(entries), entries))
             except Exception as exc:
                 out.append(exc)
         return out
@@ -294,14 +295,18 @@ class EventStore:
     async def head(self, rollout_id: str) -> RolloutState:
         """The current state without its token data (``chunks`` empty): what a status check
         or a ``Cancelled`` append needs, in one small read however long the rollout."""
-        head, sub = await self.redis.hmget(self.keys.snapshot(rollout_id), [HEAD, SUBMITTED])  # type: ignore[misc]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            read_head(pipe, self.keys, rollout_id)
+            head, first = await pipe.execute()
+        sub = submitted_record(first)
         if head is None or sub is None:
             raise RolloutNotFound(rollout_id)
         return self.decode_head(rollout_id, head, sub)
 
     @staticmethod
     def decode_head(rollout_id: str, head: bytes, sub: bytes) -> RolloutState:
-        """The state of a snapshot's ``head`` and ``sub`` fields, without token data."""
+        """The state of a snapshot's ``head`` and the ``Submitted`` record (``read_head``),
+        without token data."""
         submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
         if not isinstance(submitted, Submitted):
             raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
@@ -349,6 +354,22 @@ class EventStore:
     async def exists(self, rollout_id: str) -> bool:
         found: int = await self.redis.hexists(self.keys.snapshot(rollout_id), HEAD)  # type: ignore[misc]
         return bool(found)
+
+
+def read_head(pipe: Any, keys: Keys, rollout_id: str) -> None:
+    """Queue on ``pipe`` the two reads of a rollout's state without its token data: the
+    snapshot's head and the log's first entry (its ``Submitted`` record). Their replies go
+    to ``decode_head`` through ``submitted_record``."""
+    pipe.hget(keys.snapshot(rollout_id), HEAD)
+    pipe.xrange(keys.log(rollout_id), FIRST, FIRST)
+
+
+def submitted_record(entries: list[Any]) -> bytes | None:
+    """The ``Submitted`` record among a log's entries (an XRANGE reply), or None."""
+    if not entries or entries[0][0] != FIRST.encode():
+        return None
+    record: bytes | None = entries[0][1].get(b"e")
+    return record
 
 
 def _decode_entries(rollout_id: str, entries: list[Any]) -> list[Event]:

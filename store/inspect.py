@@ -29,7 +29,7 @@ from rq.serializers import JSONSerializer
 
 from statemachine import LIVE, TERMINAL, WAITING, RolloutState, Status
 from store.client import RolloutClient
-from store.event_store import HEAD, JOB, STATUS, SUBMITTED, EventStore
+from store.event_store import FIRST, HEAD, JOB, STATUS, EventStore, submitted_record
 from store.keys import Keys
 from store.leases import Leases, now_ms
 from store.queue import rollout_queue
@@ -215,7 +215,8 @@ async def rollouts_now(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -
     keys = store.keys
     async with store.redis.pipeline(transaction=True) as pipe:
         for rid in ids:
-            pipe.hmget(keys.snapshot(rid), [HEAD, SUBMITTED, JOB])
+            pipe.hmget(keys.snapshot(rid), [HEAD, JOB])
+            pipe.xrange(keys.log(rid), FIRST, FIRST)
             pipe.zscore(keys.leases(), rid)
         if ids:
             pipe.hmget(keys.quarantine(), list(ids))
@@ -224,7 +225,7 @@ async def rollouts_now(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -
     problems: dict[str, str] = {}
     recorded: dict[str, str | None] = {}
     for i, rid in enumerate(ids):
-        head, sub, job = replies[2 * i]
+        (head, job), sub = replies[3 * i], submitted_record(replies[3 * i + 1])
         recorded[rid] = job.decode() if job else None
         heads[rid] = None
         if head is not None and sub is not None:
@@ -237,7 +238,7 @@ async def rollouts_now(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -
     reasons = replies[-1] if ids else []
     out = []
     for i, rid in enumerate(ids):
-        score = replies[2 * i + 1]
+        score = replies[3 * i + 2]
         reason = reasons[i]
         out.append(
             RolloutNow(

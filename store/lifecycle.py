@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from statemachine import RolloutState, commands
 from store import scripts
 from store.errors import AppendRefused, RolloutNotFound, SequenceConflict, StoreError
-from store.event_store import HEAD, SUBMITTED, EventStore
+from store.event_store import EventStore, read_head, submitted_record
 
 # Appends of a cancel that lose a race with the rollout's worker (its checkpoint took the
 # sequence number) are redone on the new state, after a short jittered pause; a worker
@@ -49,10 +49,11 @@ async def heads(store: EventStore, ids: Sequence[str]) -> list[RolloutState | Ex
     """Each rollout's state without token data, one result per id, in one round trip."""
     async with store.redis.pipeline(transaction=False) as pipe:
         for rid in ids:
-            pipe.hmget(store.keys.snapshot(rid), [HEAD, SUBMITTED])
+            read_head(pipe, store.keys, rid)
         found = await pipe.execute()
     out: list[RolloutState | Exception] = []
-    for rid, (head, sub) in zip(ids, found, strict=True):
+    for i, rid in enumerate(ids):
+        head, sub = found[2 * i], submitted_record(found[2 * i + 1])
         try:
             if head is None or sub is None:
                 raise RolloutNotFound(rid)

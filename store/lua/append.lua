@@ -3,7 +3,7 @@
 -- KEYS[1]    the deployment's counters (a hash: rollouts by state, tokens)
 -- then per event i (from 0), with k = 2 + 5i:
 -- KEYS[k]    its rollout's log (a stream; entry id 0-<seq>, one field "e" = the event record)
--- KEYS[k+1]  its rollout's snapshot (a hash: seq, live, st, head, sub, cid)
+-- KEYS[k+1]  its rollout's snapshot (a hash: seq, live, st, head, cid, job)
 -- KEYS[k+2]  the completion stream of the rollout's batch
 -- KEYS[k+3]  the rollout's batch record (a hash; its field "ttl" is the retention in seconds)
 -- KEYS[k+4]  the log's staging name (exists only inside the transaction of a header, below)
@@ -91,14 +91,9 @@ for i = 0, (#ARGV / 8) - 1 do
     else
       redis.call('XADD', log, '0-' .. ARGV[a + 1], 'e', record)
     end
-    if seq == 1 then
-      -- The submitted record is immutable: kept beside the head, a snapshot read needs no log.
-      redis.call('HSET', snapkey, 'seq', ARGV[a + 1], 'live', ARGV[a + 5], 'st', status,
-        'head', ARGV[a + 4], 'sub', record)
-    else
-      redis.call('HSET', snapkey, 'seq', ARGV[a + 1], 'live', ARGV[a + 5], 'st', status,
-        'head', ARGV[a + 4])
-    end
+    -- (The Submitted record is read from the log's entry 0-1; it is not copied here.)
+    redis.call('HSET', snapkey, 'seq', ARGV[a + 1], 'live', ARGV[a + 5], 'st', status,
+      'head', ARGV[a + 4])
     -- Counters: live states count the rollouts in them now; terminal states count every
     -- rollout that ever ended so (no transition leaves them; expiry or an ack does not
     -- un-end one).

@@ -37,7 +37,7 @@ for i = 0, n - 1 do
   else
     redis.call('XADD', log, '0-1', 'e', record)
     redis.call('HSET', snap, 'seq', '1', 'live', '0', 'st', 'pending', 'head', ARGV[a + 2],
-      'sub', record, 'job', ARGV[a + 3])
+      'job', ARGV[a + 3])
     redis.call('HSET', job, 'data', ARGV[a + 4], 'description', ARGV[a + 5], unpack(shared))
     pushed[#pushed + 1] = ARGV[a + 3]
     statuses[i + 1] = 'ok'
