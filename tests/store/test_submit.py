@@ -337,3 +337,21 @@ async def test_redis_killed_mid_submit_loses_nothing_and_enqueues_nothing_twice(
         assert sorted(by_rollout) == sorted(batch)
         for rid in batch[::997]:
             assert sync.hget(f"dr:{{{rid}}}:snap", "job") == by_rollout[rid].encode()
+
+
+async def test_a_prompt_is_stored_once_and_older_snapshots_with_a_copy_still_read(
+    client: RolloutClient,
+) -> None:
+    batch = await client.submit([f.request(prompt=tuple(range(1, 200)))], n=2, batch_id="once")
+    snap = client.keys.snapshot(batch[0])
+    # The Submitted record lives in the log's first entry only.
+    assert b"sub" not in await client.redis.hkeys(snap)  # type: ignore[misc]
+    head = await client.store.head(batch[0])
+    assert head.request.prompt_token_ids == tuple(range(1, 200))
+    # Written by an older version: the same record copied into the snapshot too.
+    first = await client.redis.xrange(client.keys.log(batch[1]), "0-1", "0-1")
+    await client.redis.hset(client.keys.snapshot(batch[1]), "sub", first[0][1][b"e"])  # type: ignore[misc]
+    old, new = await client.store.load_many([batch[1], batch[0]])
+    assert not isinstance(old, Exception) and not isinstance(new, Exception)
+    assert old.request == new.request and old.membership.sample_index == 1
+    assert (await client.ack(batch_id="once")).live == list(batch)  # pending: kept
