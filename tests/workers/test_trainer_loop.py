@@ -60,6 +60,13 @@ async def test_results_follow_completion_across_workers_of_different_speeds(
                         synthetic={"token_delay_s": 0.02})  # fmt: skip
     client = RolloutClient(server.url)
     try:
+
+        async def both_up() -> bool:
+            return {w.worker_id for w in (await client.stats()).workers} >= {"fast", "slow"}
+
+        # Both taking jobs before any is submitted: otherwise the fast one could end all 16
+        # before the slow one is up (CI saw that once).
+        await until(both_up, 60, "the workers did not start")
         batch = await client.submit(requests(8, 24), n=2, batch_id="speeds")
         results = [r async for r in client.results("speeds", timeout=120)]
         assert sorted(r.rollout_id for r in results) == sorted(batch)
