@@ -58,8 +58,9 @@ def read(step: Step, out: dict[str, Stepped]) -> None:
 async def run_steps(
     engine: StepEngine,
     requests: list[EngineRequest],
-    during: Callable[[int], Awaitable[None]] | None = None,
+    during: Callable[[int, dict[str, Stepped]], Awaitable[None]] | None = None,
 ) -> dict[str, Stepped]:
+    """Add ``requests`` and read every step; ``during(n, so_far)`` runs after the n-th."""
     out = {r.request_id: Stepped() for r in requests}
     for r in requests:
         await engine.add(r)
@@ -68,7 +69,7 @@ async def run_steps(
         read(step, out)
         n += 1
         if during is not None:
-            await during(n)
+            await during(n, out)
     return out
 
 
@@ -153,22 +154,13 @@ async def test_an_aborted_request_yields_nothing_more_and_the_others_go_on(
     reqs = [request("keep", PROMPTS[0], 12), request("stop", PROMPTS[1], 400)]
     seen_after: list[int] = []
 
-    async def during(n: int) -> None:
+    async def during(n: int, so_far: dict[str, Stepped]) -> None:
         if n == 3:
             await step_engine.abort("stop")
             await step_engine.abort("stop")  # idempotent
-            seen_after.append(len(got["stop"].token_ids))
+            seen_after.append(len(so_far["stop"].token_ids))
 
-    got: dict[str, Stepped] = {}
-    out = {r.request_id: Stepped() for r in reqs}
-    got.update(out)
-    for r in reqs:
-        await step_engine.add(r)
-    n = 0
-    async for step in step_engine.steps():
-        read(step, out)
-        n += 1
-        await during(n)
+    out = await run_steps(step_engine, reqs, during)
     assert len(out["keep"].token_ids) == 12 and out["keep"].end is not None
     assert out["keep"].end.finish_reason is FinishReason.LENGTH
     assert len(out["stop"].token_ids) == seen_after[0] < 400  # nothing after abort returned
@@ -185,19 +177,17 @@ async def test_nothing_of_an_aborted_request_comes_even_from_steps_made_before_t
     # 5 tokens where 3 had been read at the abort).
     stop = f"stop-{uuid.uuid4().hex}"
     reqs = [request("keep-lag", PROMPTS[0], 24), request(stop, PROMPTS[1], 400)]
-    out = {r.request_id: Stepped() for r in reqs}
-    for r in reqs:
-        await step_engine.add(r)
-    n, at_abort = 0, -1
-    async for step in step_engine.steps():
-        read(step, out)
-        n += 1
+    at_abort: list[int] = []
+
+    async def lag_then_abort(n: int, so_far: dict[str, Stepped]) -> None:
         if n == 2:
             await asyncio.sleep(0.5)  # the engine runs ahead of this consumer
             await step_engine.abort(stop)
-            at_abort = len(out[stop].token_ids)
+            at_abort.append(len(so_far[stop].token_ids))
+
+    out = await run_steps(step_engine, reqs, lag_then_abort)
     assert len(out["keep-lag"].token_ids) == 24
-    assert len(out[stop].token_ids) == at_abort  # nothing after the abort, queued or not
+    assert len(out[stop].token_ids) == at_abort[0]  # nothing after the abort, queued or not
     if out[stop].end is not None:
         assert isinstance(out[stop].end.error, RequestAborted)
 

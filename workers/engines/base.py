@@ -107,6 +107,16 @@ class Step:
     weight_version: int = 0
     ends: Mapping[str, End] = field(default_factory=dict)
 
+    @classmethod
+    def only_ends(cls, ends: Mapping[str, End]) -> Step:
+        """A step without tokens that only ends streams."""
+        return cls(
+            request_ids=[],
+            token_ids=np.empty(0, dtype=np.int32),
+            logprobs=np.empty(0, dtype=np.float32),
+            ends=ends,
+        )
+
 
 class Tokens(Protocol):
     """Any piece of a stream with per-token arrays: a `Chunk`, or a vLLM server's answer."""

@@ -257,7 +257,8 @@ class CpuEngine(InFlightEngine[_Stream]):
             self._step_open.discard(stream.request_id)
             aborted = RequestAborted(f"request {stream.request_id!r} was aborted")
             if self._step_out is not None:
-                self._step_out[1].put_nowait(_ended({stream.request_id: End(error=aborted)}))
+                ended = Step.only_ends({stream.request_id: End(error=aborted)})
+                self._step_out[1].put_nowait(ended)
         else:
             stream.queue.put_nowait(_END)
         self._abort_serial(stream.serial)
@@ -541,20 +542,10 @@ class _StepBuilder:
             )
             for run in runs
         ]
-        ends = _ended(self.ends)
-        if steps:
-            steps[-1] = dataclasses.replace(steps[-1], ends=self.ends)
-        return steps or [ends]
-
-
-def _ended(ends: dict[str, End]) -> Step:
-    """A step without tokens that only ends streams."""
-    return Step(
-        request_ids=[],
-        token_ids=np.empty(0, dtype=np.int32),
-        logprobs=np.empty(0, dtype=np.float32),
-        ends=ends,
-    )
+        if not steps:
+            return [Step.only_ends(self.ends)]
+        steps[-1] = dataclasses.replace(steps[-1], ends=self.ends)
+        return steps
 
 
 def _fresh(error: EngineError) -> EngineError:

@@ -124,7 +124,7 @@ class SteppingVllm(SwappingEngine[SubRequest]):
                 closed = EngineClosed("engine closed while the request was in flight")
                 ends = {rid: End(error=closed) for rid in self._stepped}
                 self._stepped.clear()
-                yield _only_ends(ends)
+                yield Step.only_ends(ends)
                 return
             if not self._outputs and not self._ends:
                 self._woken.clear()
@@ -267,7 +267,7 @@ def _steps(pieces: dict[str, _Piece], ends: dict[str, End]) -> list[Step]:
             )
         )
     if not steps:
-        return [_only_ends(ends)] if ends else []
+        return [Step.only_ends(ends)] if ends else []
     last = steps[-1]
     steps[-1] = Step(
         request_ids=last.request_ids, token_ids=last.token_ids, logprobs=last.logprobs,
@@ -275,15 +275,6 @@ def _steps(pieces: dict[str, _Piece], ends: dict[str, End]) -> list[Step]:
         weight_version=last.weight_version, ends=ends,
     )  # fmt: skip
     return steps
-
-
-def _only_ends(ends: dict[str, End]) -> Step:
-    return Step(
-        request_ids=[],
-        token_ids=np.empty(0, dtype=np.int32),
-        logprobs=np.empty(0, dtype=np.float32),
-        ends=ends,
-    )
 
 
 def _is_engine_dead(exc: BaseException) -> bool:
