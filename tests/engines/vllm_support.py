@@ -15,9 +15,12 @@ from workers.engines.vllm.local import VllmEngine, VllmOptions
 # One token per chunk (also the default), pinned here: the contract suite's in-flight tests
 # take a few chunks of a 24-token request before acting, which 16-token chunks would finish.
 TEST_OPTIONS = VllmOptions(max_model_len=512, kv_cache_bytes=64 << 20, stream_interval=1)
-# One test group needs at most three live engines (base model, new-weights reference, a
-# copy with another eos); more would hold ~1 GB each for nothing.
-CAPACITY = 3
+# Room for every engine the in-process tests reuse: per model (dense, MoE) the base and the
+# new-weights reference, plus the copy with another eos that one contract test uses. With
+# room for 3, the MoE contract case evicted the dense engines, and test_vllm_local started
+# them again (2 starts, 31 s). Each holds ~1.4 GB of RSS (engine core + worker process) and
+# idles at a few % of a core; the workers package stops them all (tests/workers/conftest.py).
+CAPACITY = 5
 
 
 def vllm_pool(options: VllmOptions = TEST_OPTIONS, capacity: int = CAPACITY) -> EnginePool:
