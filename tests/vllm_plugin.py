@@ -42,10 +42,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vllm_server: uses vLLM server processes (run last)")
 
 
+# tryfirst: pytest-xdist's own hook reads the xdist_group marks added here (it suffixes each
+# grouped test's node id with its group), so they must be there before it runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Server tests last (stable: the order within each part is kept), so in-process engines
     # and server processes are never alive together (~1.5 GB each on this machine).
     items.sort(key=lambda item: item.get_closest_marker("vllm_server") is not None)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under pytest-xdist the vLLM tests (one group, below) go first: xdist hands out work
+        # in collection order, and the longest group started last would run alone at the end.
+        items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
     # Every vLLM test is also `slow` (an engine start-up is 15-40 s): `-m "not slow"` skips them.
     for item in items:
         if item.get_closest_marker("vllm") is not None:
