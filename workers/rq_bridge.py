@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from store.keys import Keys, check_rollout_id
 from store.queue import JOB_FUNC, rollout_queue
 
 T = TypeVar("T")
+
+log = logging.getLogger("rollouts.rq")
 
 # How long rq lists a superseded job among the canceled ones (as its finished jobs: an hour).
 SUPERSEDED_TTL_S = 3600
@@ -131,52 +134,103 @@ class RqBridge:
 
     async def dequeue(self, timeout: int) -> TakenJob | None:
         """Block (in a thread) up to ``timeout`` s for a job; mark it started as ours."""
+        taken = await self.dequeue_many(timeout, 1)
+        return taken[0] if taken else None
+
+    async def dequeue_many(self, timeout: int, limit: int) -> list[TakenJob]:
+        """Block (in a thread) up to ``timeout`` s for a job, then take up to ``limit`` - 1
+        more that are already queued, without waiting; mark them all started as ours in one
+        round trip. Empty if none came.
+
+        Why several at once: each call costs two hops between the event loop and a thread,
+        and a thread waits for the GIL up to the interpreter's switch interval (5 ms) after
+        each reply while the loop is busy with the engine's steps. One job per call took a
+        worker ~20 ms per rollout, measured, so at 256 rollouts in flight it never had more
+        than ~14 running (bench/bench_overhead.py's gpu_cadence).
+        """
         loop = asyncio.get_running_loop()
-        try:
-            found = await loop.run_in_executor(
-                self._dequeue_thread,
-                functools.partial(
-                    Queue.dequeue_any,
+
+        def one(wait: int | None) -> tuple[Job, Queue] | None:
+            try:
+                return Queue.dequeue_any(
                     self.queues,
-                    timeout,
+                    wait,
                     connection=self.connection,
                     job_class=self.worker.job_class,
                     serializer=JSONSerializer,
-                ),
+                )
+            except DequeueTimeout:
+                return None
+
+        def more(n: int) -> list[tuple[Job, Queue]]:
+            """Up to ``n`` more jobs already queued: rq's non-blocking dequeue (LMOVE to the
+            intermediate queue, then the job's hash), n at a time in two round trips."""
+            if len(self.queues) > 1:  # rq's order across queues: one at a time
+                found = []
+                while len(found) < n and (job := one(None)) is not None:
+                    found.append(job)
+                return found
+            queue = self.queues[0]
+            with self.connection.pipeline(transaction=False) as pipe:
+                for _ in range(n):
+                    pipe.lmove(queue.key, queue.intermediate_queue_key)
+                ids = [i.decode() for i in pipe.execute() if i is not None]
+            jobs = self.worker.job_class.fetch_many(
+                ids, connection=self.connection, serializer=JSONSerializer
             )
-        except DequeueTimeout:
-            return None
-        if found is None:
-            return None
-        job, queue = found
+            # A job whose hash is gone is skipped, as rq's dequeue does.
+            return [(job, queue) for job in jobs if job is not None]
 
-        def start() -> TakenJob:
-            # rq's prepare_execution and prepare_job_execution, the same commands in one round
-            # trip instead of two (this runs once per rollout).
+        def take() -> list[tuple[Job, Queue]]:
+            first = one(timeout)
+            if first is None:
+                return []
+            if limit == 1:
+                return [first]
+            try:
+                return [first, *more(limit - 1)]
+            except Exception:
+                # The first is ours to start; anything popped and not started is swept back
+                # by ``requeue_abandoned``, as after a crash between pop and start.
+                log.warning("taking more jobs failed; starting one", exc_info=True)
+                return [first]
+
+        found = await loop.run_in_executor(self._dequeue_thread, take)
+        if not found:
+            return []
+
+        def start() -> list[TakenJob]:
+            # rq's prepare_execution and prepare_job_execution for every job, the same
+            # commands in one round trip instead of two per job.
             w = self.worker
-            ttl = w.get_heartbeat_ttl(job)
+            taken = []
             with self.connection.pipeline() as pipe:
-                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=w.name)
+                for job, queue in found:
+                    ttl = w.get_heartbeat_ttl(job)
+                    execution = Execution.create(job, ttl, pipeline=pipe, worker_name=w.name)
+                    job.heartbeat(now(), ttl, pipeline=pipe)
+                    job.prepare_for_execution(w.name, pipeline=pipe)
+                    pipe.persist(job.key)
+                    if len(self.queues) == 1:
+                        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                    # A sweep that caught the job between the pop and this start marked it
+                    # (``_requeue_stuck_dequeues``); started, it is not stuck: the mark
+                    # would otherwise stay for rq's 24 h.
+                    pipe.delete(IntermediateQueue(queue.key, connection=self.connection)
+                                .get_first_seen_key(job.id))  # fmt: skip
+                    taken.append(TakenJob(job, queue, execution))
                 w.set_state(WorkerStatus.BUSY, pipeline=pipe)
-                w.heartbeat(ttl, pipeline=pipe)
-                job.heartbeat(now(), ttl, pipeline=pipe)
-                job.prepare_for_execution(w.name, pipeline=pipe)
-                pipe.persist(job.key)
-                if len(self.queues) == 1:
-                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-                # A sweep that caught the job between the pop and this start marked it
-                # (``_requeue_stuck_dequeues``); started, it is not stuck: the mark would
-                # otherwise stay for rq's 24 h.
-                pipe.delete(IntermediateQueue(queue.key, connection=self.connection)
-                            .get_first_seen_key(job.id))  # fmt: skip
+                w.heartbeat(w.get_heartbeat_ttl(found[-1][0]), pipeline=pipe)
                 pipe.execute()
-            w.executions[execution.id] = execution
-            return TakenJob(job, queue, execution)
+            for t in taken:
+                w.executions[t.execution.id] = t.execution
+            return taken
 
-        running = await self._books(start)
-        running.rollout_id, running.problem = job_problem(job)
-        self.running[running.execution.id] = running
-        return running
+        taken = await self._books(start)
+        for running in taken:
+            running.rollout_id, running.problem = job_problem(running.job)
+            self.running[running.execution.id] = running
+        return taken
 
     async def heartbeat(self) -> None:
         def beat() -> None:

@@ -50,6 +50,12 @@ from workers.weight_updates import WeightFollower, WeightMode
 
 log = logging.getLogger("rollouts.worker")
 
+# Jobs taken in one dequeue at most (as many as there are free slots, up to this): one call
+# costs two thread hops and their GIL waits however many it takes (RqBridge.dequeue_many).
+# Bounded so that one call does not hold the dequeue thread for long, and a worker does not
+# take a large share of a queue that other workers are also draining in one go.
+TAKE_AT_ONCE = 32
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerConfig:
@@ -226,35 +232,41 @@ class Worker:
     async def _take_jobs(self, rq: RqBridge) -> None:
         slots = asyncio.Semaphore(self.config.max_concurrency)
         while not self._stopping.is_set():
-            # Take a job only with a free slot (leave the rest to other workers), but wake up
+            # Take jobs only with free slots (leave the rest to other workers), but wake up
             # for a shutdown request even while every slot is busy.
             if not await self._slot_or_stop(slots):
                 break
+            free = 1
+            while free < TAKE_AT_ONCE and not slots.locked():
+                await slots.acquire()  # free: returns at once
+                free += 1
             await self.admitting.wait()  # no new work while weights are swapped
             try:
-                running = await rq.dequeue(self.config.dequeue_timeout_s)
+                taken = await rq.dequeue_many(self.config.dequeue_timeout_s, free)
             except Exception:
                 # Redis unreachable for longer than the client's own retries: keep the process
                 # (and its engine) alive, the rollouts in flight keep buffering; try again.
                 log.warning("cannot take jobs from Redis; retrying", exc_info=True)
-                slots.release()
+                for _ in range(free):
+                    slots.release()
                 await asyncio.sleep(1.0)
                 continue
-            if running is None:
+            for _ in range(free - len(taken)):
                 slots.release()
-                if self.config.burst and not self.tasks:
-                    break
-                continue
-            if running.problem is not None:
-                # Not a rollout job (anyone who can write to Redis can enqueue anything): to
-                # rq's failed registry with the reason, before it takes a slot or a task.
-                slots.release()
-                await self._refuse(rq, running, running.problem)
-                continue
-            slot = _Slot(slots)
-            task = asyncio.create_task(self._run_job(rq, running, slot.release))
-            self.tasks[running.execution.id] = task
-            task.add_done_callback(lambda _t, eid=running.execution.id, s=slot: self._done(eid, s))
+            if not taken and self.config.burst and not self.tasks:
+                break
+            for running in taken:
+                if running.problem is not None:
+                    # Not a rollout job (anyone who can write to Redis can enqueue anything):
+                    # to rq's failed registry with the reason, before it takes a slot or a task.
+                    slots.release()
+                    await self._refuse(rq, running, running.problem)
+                    continue
+                slot = _Slot(slots)
+                task = asyncio.create_task(self._run_job(rq, running, slot.release))
+                eid = running.execution.id
+                self.tasks[eid] = task
+                task.add_done_callback(lambda _t, eid=eid, s=slot: self._done(eid, s))
 
     async def _slot_or_stop(self, slots: asyncio.Semaphore) -> bool:
         """True with a slot acquired; False (holding none) once a stop was requested."""

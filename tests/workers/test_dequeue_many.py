@@ -1,0 +1,148 @@
+"""A worker takes several queued jobs in one dequeue (``RqBridge.dequeue_many``), each exactly
+as rq's own one-at-a-time dequeue and start would leave it.
+
+Why it exists: one job per dequeue cost a worker ~20 ms per rollout (thread hops, and a GIL wait
+of up to the switch interval after each reply while the event loop was busy), so at 256 slots a
+burst worker never had more than ~14 rollouts running (bench/bench_overhead.py, gpu_cadence).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from redis import Redis
+from rq.job import JobStatus
+
+from store.client import RolloutClient
+from store.redis_server import RedisServer
+from tests import factories as f
+from workers.rq_bridge import RqBridge
+
+pytestmark = pytest.mark.redis_server
+
+
+async def _submit(server: RedisServer, n: int) -> list[str]:
+    client = RolloutClient(server.url)
+    try:
+        return await client.submit([f.request(4) for _ in range(n)])
+    finally:
+        await client.aclose()
+
+
+async def test_several_jobs_in_one_call_each_started_as_rq_starts_one(
+    server: RedisServer,
+) -> None:
+    ids = await _submit(server, 5)
+    sync = Redis.from_url(server.url)
+    bridge = RqBridge(server.url, ["rollouts"], "w1")
+    try:
+        await bridge.register()
+        first = await bridge.dequeue_many(1, 3)
+        assert [t.rollout_id for t in first] == ids[:3]  # in queue order
+        rest = await bridge.dequeue_many(1, 10)  # more asked than queued: what there is
+        assert [t.rollout_id for t in rest] == ids[3:]
+        assert await bridge.dequeue_many(1, 4) == []  # empty: after the blocking wait
+        taken = first + rest
+        queue = taken[0].queue
+        assert sync.llen(queue.key) == 0
+        assert sync.llen(queue.intermediate_queue_key) == 0  # none left "in transit"
+        started = set(queue.started_job_registry.get_job_ids())
+        for t in taken:
+            assert t.problem is None
+            t.job.refresh()
+            assert t.job.get_status() == JobStatus.STARTED
+            assert t.job.worker_name == "w1"
+            assert sync.ttl(t.job.key) == -1  # persisted while it runs
+            assert t.job.id in started
+            assert t.execution.id in bridge.running
+        assert len(bridge.worker.executions) == 5
+    finally:
+        await bridge.close()
+        sync.close()
+
+
+async def test_a_job_whose_hash_is_gone_is_skipped_and_the_rest_are_taken(
+    server: RedisServer,
+) -> None:
+    ids = await _submit(server, 4)
+    sync = Redis.from_url(server.url)
+    bridge = RqBridge(server.url, ["rollouts"], "w1")
+    try:
+        await bridge.register()
+        queue = bridge.queues[0]
+        job_ids = [j.decode() for j in sync.lrange(queue.key, 0, -1)]
+        sync.delete(f"rq:job:{job_ids[2]}")  # as an ack racing the dequeue would
+        taken = await bridge.dequeue_many(1, 4)
+        assert [t.rollout_id for t in taken] == [ids[0], ids[1], ids[3]]
+        assert sync.llen(queue.key) == 0
+    finally:
+        await bridge.close()
+        sync.close()
+
+
+async def test_a_job_that_is_not_ours_comes_with_its_problem_beside_good_ones(
+    server: RedisServer,
+) -> None:
+    ids = await _submit(server, 1)
+    sync = Redis.from_url(server.url)
+    bridge = RqBridge(server.url, ["rollouts"], "w1")
+    try:
+        await bridge.register()
+        queue = bridge.queues[0]
+        queue.enqueue("os.getcwd")  # anyone who can write to Redis can enqueue anything
+        taken = await bridge.dequeue_many(1, 4)
+        assert [t.rollout_id for t in taken] == [ids[0], ""]
+        assert taken[0].problem is None
+        assert taken[1].problem is not None
+    finally:
+        await bridge.close()
+        sync.close()
+
+
+async def test_the_blocking_wait_still_ends_on_the_first_job(server: RedisServer) -> None:
+    bridge = RqBridge(server.url, ["rollouts"], "w1")
+    try:
+        await bridge.register()
+        started = time.monotonic()
+        call = asyncio.create_task(bridge.dequeue_many(5, 8))
+        await asyncio.sleep(0.3)
+        ids = await _submit(server, 1)
+        taken = await call
+        assert [t.rollout_id for t in taken] == ids
+        assert time.monotonic() - started < 3  # woke on the job, not at the 5 s timeout
+    finally:
+        await bridge.close()
+
+
+async def test_a_worker_with_free_slots_takes_queued_jobs_in_few_dequeues(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 queued rollouts and 64 slots: a handful of dequeues, not 64 (each one costs the
+    worker its thread hops; see the module docstring)."""
+    from workers.engines.synthetic import SyntheticEngine
+    from workers.worker import TAKE_AT_ONCE, Worker, WorkerConfig
+
+    ids = await _submit(server, 64)
+    calls: list[int] = []
+    real = RqBridge.dequeue_many
+
+    async def counted(self: RqBridge, timeout: int, limit: int) -> list:
+        taken = await real(self, timeout, limit)
+        calls.append(len(taken))
+        return taken
+
+    monkeypatch.setattr(RqBridge, "dequeue_many", counted)
+    engine = SyntheticEngine(tokens_per_chunk=1, token_delay_s=0.01)  # 4 tokens: ~40 ms
+    config = WorkerConfig(redis_url=server.url, burst=True, max_concurrency=64)
+    await Worker(config, engine).run()
+    client = RolloutClient(server.url)
+    try:
+        assert {r.status.value for r in await client.wait(ids, timeout=30)} == {"done"}
+    finally:
+        await client.aclose()
+    taking = [n for n in calls if n]
+    assert sum(taking) == 64
+    assert len(taking) <= 64 // TAKE_AT_ONCE + 2, calls
+    assert max(taking) == TAKE_AT_ONCE
