@@ -62,7 +62,7 @@ def main(url: str, step: str) -> None:
         _after(Queue, "dequeue_any", sync=True)  # classmethod: patched on the class
         Queue.dequeue_any = staticmethod(Queue.dequeue_any)  # type: ignore[method-assign]
     elif step == "started":
-        _after(RqBridge, "dequeue")
+        _after(RqBridge, "dequeue_many")
     elif step == "leased":
         _after(Leases, "take")
     elif step == "aborted":
