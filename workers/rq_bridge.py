@@ -28,6 +28,7 @@ from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from store import defaults
 from store.connection import connect_sync
@@ -139,8 +140,9 @@ class RqBridge:
 
     async def dequeue_many(self, timeout: int, limit: int) -> list[TakenJob]:
         """Block (in a thread) up to ``timeout`` s for a job, then take up to ``limit`` - 1
-        more that are already queued, without waiting; mark them all started as ours in one
-        round trip. Empty if none came.
+        more that are already queued (this worker's share of them, beside the other workers
+        on the queue), without waiting; mark them all started as ours in one round trip.
+        Empty if none came.
 
         Why several at once: each call costs two hops between the event loop and a thread,
         and a thread waits for the GIL up to the interpreter's switch interval (5 ms) after
@@ -149,87 +151,97 @@ class RqBridge:
         than ~14 running (bench/bench_overhead.py's gpu_cadence).
         """
         loop = asyncio.get_running_loop()
-
-        def one(wait: int | None) -> tuple[Job, Queue] | None:
-            try:
-                return Queue.dequeue_any(
-                    self.queues,
-                    wait,
-                    connection=self.connection,
-                    job_class=self.worker.job_class,
-                    serializer=JSONSerializer,
-                )
-            except DequeueTimeout:
-                return None
-
-        def more(n: int) -> list[tuple[Job, Queue]]:
-            """Up to ``n`` more jobs already queued: rq's non-blocking dequeue (LMOVE to the
-            intermediate queue, then the job's hash), n at a time in two round trips."""
-            if len(self.queues) > 1:  # rq's order across queues: one at a time
-                found = []
-                while len(found) < n and (job := one(None)) is not None:
-                    found.append(job)
-                return found
-            queue = self.queues[0]
-            with self.connection.pipeline(transaction=False) as pipe:
-                for _ in range(n):
-                    pipe.lmove(queue.key, queue.intermediate_queue_key)
-                ids = [i.decode() for i in pipe.execute() if i is not None]
-            jobs = self.worker.job_class.fetch_many(
-                ids, connection=self.connection, serializer=JSONSerializer
-            )
-            # A job whose hash is gone is skipped, as rq's dequeue does.
-            return [(job, queue) for job in jobs if job is not None]
-
-        def take() -> list[tuple[Job, Queue]]:
-            first = one(timeout)
-            if first is None:
-                return []
-            if limit == 1:
-                return [first]
-            try:
-                return [first, *more(limit - 1)]
-            except Exception:
-                # The first is ours to start; anything popped and not started is swept back
-                # by ``requeue_abandoned``, as after a crash between pop and start.
-                log.warning("taking more jobs failed; starting one", exc_info=True)
-                return [first]
-
+        take = functools.partial(self._take, timeout, limit)
         found = await loop.run_in_executor(self._dequeue_thread, take)
         if not found:
             return []
-
-        def start() -> list[TakenJob]:
-            # rq's prepare_execution and prepare_job_execution for every job, the same
-            # commands in one round trip instead of two per job.
-            w = self.worker
-            taken = []
-            with self.connection.pipeline() as pipe:
-                for job, queue in found:
-                    ttl = w.get_heartbeat_ttl(job)
-                    execution = Execution.create(job, ttl, pipeline=pipe, worker_name=w.name)
-                    job.heartbeat(now(), ttl, pipeline=pipe)
-                    job.prepare_for_execution(w.name, pipeline=pipe)
-                    pipe.persist(job.key)
-                    if len(self.queues) == 1:
-                        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-                    # A sweep that caught the job between the pop and this start marked it
-                    # (``_requeue_stuck_dequeues``); started, it is not stuck: the mark
-                    # would otherwise stay for rq's 24 h.
-                    pipe.delete(IntermediateQueue(queue.key, connection=self.connection)
-                                .get_first_seen_key(job.id))  # fmt: skip
-                    taken.append(TakenJob(job, queue, execution))
-                w.set_state(WorkerStatus.BUSY, pipeline=pipe)
-                w.heartbeat(w.get_heartbeat_ttl(found[-1][0]), pipeline=pipe)
-                pipe.execute()
-            for t in taken:
-                w.executions[t.execution.id] = t.execution
-            return taken
-
-        taken = await self._books(start)
+        taken = await self._books(self._start, found)
         for running in taken:
             running.rollout_id, running.problem = job_problem(running.job)
             self.running[running.execution.id] = running
+        return taken
+
+    def _take(self, timeout: int, limit: int) -> list[tuple[Job, Queue]]:
+        """On the dequeue thread: the first job (waiting up to ``timeout`` s), and up to
+        ``limit`` - 1 more already queued."""
+        first = self._one(timeout)
+        if first is None:
+            return []
+        if limit == 1:
+            return [first]
+        try:
+            return [first, *self._more(limit - 1)]
+        except Exception:
+            # The first is ours to start; anything popped and not started is swept back by
+            # ``requeue_abandoned``, as after a crash between pop and start.
+            log.warning("taking more jobs failed; starting one", exc_info=True)
+            return [first]
+
+    def _one(self, wait: int | None) -> tuple[Job, Queue] | None:
+        try:
+            return Queue.dequeue_any(
+                self.queues,
+                wait,
+                connection=self.connection,
+                job_class=self.worker.job_class,
+                serializer=JSONSerializer,
+            )
+        except DequeueTimeout:
+            return None
+
+    def _more(self, n: int) -> list[tuple[Job, Queue]]:
+        """Up to ``n`` more jobs already queued: rq's non-blocking dequeue (LMOVE to the
+        intermediate queue, then the job's hash), all of them in three round trips."""
+        if len(self.queues) > 1:  # rq's order across queues: one at a time
+            found: list[tuple[Job, Queue]] = []
+            while len(found) < n and (job := self._one(None)) is not None:
+                found.append(job)
+            return found
+        queue = self.queues[0]
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.llen(queue.key)
+            pipe.scard(WORKERS_BY_QUEUE_KEY % queue.name)
+            queued, workers = pipe.execute()
+        # Only this worker's share of what is queued now: one with free slots taking it all
+        # would run a short queue (a step's last groups) alone while the others idle.
+        n = min(n, -(-int(queued) // max(1, int(workers))))
+        if n <= 0:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for _ in range(n):
+                pipe.lmove(queue.key, queue.intermediate_queue_key)
+            ids = [i.decode() for i in pipe.execute() if i is not None]
+        jobs = self.worker.job_class.fetch_many(
+            ids, connection=self.connection, serializer=JSONSerializer
+        )
+        # A job whose hash is gone is skipped, as rq's dequeue does.
+        return [(job, queue) for job in jobs if job is not None]
+
+    def _start(self, found: list[tuple[Job, Queue]]) -> list[TakenJob]:
+        """On the books thread: rq's prepare_execution and prepare_job_execution for every
+        job, the same commands in one round trip instead of two per job."""
+        w = self.worker
+        taken = []
+        with self.connection.pipeline() as pipe:
+            for job, queue in found:
+                ttl = w.get_heartbeat_ttl(job)
+                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=w.name)
+                job.heartbeat(now(), ttl, pipeline=pipe)
+                job.prepare_for_execution(w.name, pipeline=pipe)
+                pipe.persist(job.key)
+                if len(self.queues) == 1:
+                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                # A sweep that caught the job between the pop and this start marked it
+                # (``_requeue_stuck_dequeues``); started, it is not stuck: the mark would
+                # otherwise stay for rq's 24 h.
+                pipe.delete(IntermediateQueue(queue.key, connection=self.connection)
+                            .get_first_seen_key(job.id))  # fmt: skip
+                taken.append(TakenJob(job, queue, execution))
+            w.set_state(WorkerStatus.BUSY, pipeline=pipe)
+            w.heartbeat(w.get_heartbeat_ttl(found[-1][0]), pipeline=pipe)
+            pipe.execute()
+        for t in taken:
+            w.executions[t.execution.id] = t.execution
         return taken
 
     async def heartbeat(self) -> None:

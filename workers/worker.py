@@ -50,11 +50,11 @@ from workers.weight_updates import WeightFollower, WeightMode
 
 log = logging.getLogger("rollouts.worker")
 
-# Jobs taken in one dequeue at most (as many as there are free slots, up to this): one call
-# costs two thread hops and their GIL waits however many it takes (RqBridge.dequeue_many).
-# Bounded so that one call does not hold the dequeue thread for long, and a worker does not
-# take a large share of a queue that other workers are also draining in one go.
-TAKE_AT_ONCE = 32
+# Jobs taken in one dequeue at most (as many as there are free slots and, beside other workers
+# on the queue, this worker's share of what is queued: RqBridge.dequeue_many). One call costs
+# two thread hops and their GIL waits however many it takes. Measured (gpu_cadence, 1,024 in
+# flight): 85k tokens/s with 32, 166k with 128, as the worker reaches its slots sooner.
+TAKE_AT_ONCE = 128
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

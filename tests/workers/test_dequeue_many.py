@@ -145,4 +145,24 @@ async def test_a_worker_with_free_slots_takes_queued_jobs_in_few_dequeues(
     taking = [n for n in calls if n]
     assert sum(taking) == 64
     assert len(taking) <= 64 // TAKE_AT_ONCE + 2, calls
-    assert max(taking) == TAKE_AT_ONCE
+    assert max(taking) == min(64, TAKE_AT_ONCE)  # all it had slots for, at once
+
+
+async def test_beside_another_worker_on_the_queue_a_worker_takes_its_share(
+    server: RedisServer,
+) -> None:
+    """Two workers on one queue, 21 jobs: the first to wake takes 1 + half of the 20 left,
+    not all of them (it would run a short queue alone while the other idles)."""
+    await _submit(server, 21)
+    one = RqBridge(server.url, ["rollouts"], "w1")
+    two = RqBridge(server.url, ["rollouts"], "w2")
+    try:
+        await one.register()
+        await two.register()
+        first = await one.dequeue_many(1, 100)
+        assert len(first) == 11
+        second = await two.dequeue_many(1, 100)
+        assert len(second) == 6  # 1 + half of the 9 left, rounded up
+    finally:
+        await one.close()
+        await two.close()
