@@ -43,6 +43,21 @@ the checkpoint appends themselves (the store's prepare, encode and redis-py pack
 us of CPU per 16-token checkpoint with 48x8 routes, ~11-13 us per token, measured alone)
 ~30%, and the per-rollout path (rq's dequeue, start and success bookkeeping in its threads,
 the runner's load, lease and first/last events) most of the rest.
+
+That profile hid the real limit: the worker took one rq job per dequeue, and each dequeue cost
+~20 ms while the event loop was busy (two thread hops, and after each reply a GIL wait of up to
+the 5 ms switch interval), so with 256 slots it never ran more than ~14 rollouts (measured: 4-5
+requests per engine step on average, against 256 for the engine alone). Steps that small made
+every per-step cost a per-token one. Taking all queued jobs it has slots for in one dequeue
+(``RqBridge.dequeue_many``) fills the slots in a fraction of a second: 150-190 requests per
+step, 55k -> 128k-171k tokens/s at 256 in flight and 105k-166k at 1,024, and the worker's
+added CPU 19 -> 9-10 us per token (12 at 1,024). What is left (~5 ms of CPU per 512-token
+rollout) is not broken down yet: a cProfile of the event loop's thread now shows it waiting in
+epoll for 1.1 of 2.9 s and the rest spread thin, so the leads are off that thread or per
+rollout: rq's start and success bookkeeping on its threads, and the one Redis connection a
+fresh worker opens per rollout it starts at once (256 here; redis-py parses its own package
+metadata for CLIENT SETINFO on each). The checkpoint appends cost ~56 us of client CPU per 16-token checkpoint with 48x8
+routes (~3.5 us per token, measured alone on a real redis-server).
 """
 
 from __future__ import annotations
