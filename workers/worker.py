@@ -256,17 +256,19 @@ class Worker:
             if not taken and self.config.burst and not self.tasks:
                 break
             for running in taken:
+                if running.problem is None:
+                    slot = _Slot(slots)
+                    task = asyncio.create_task(self._run_job(rq, running, slot.release))
+                    eid = running.execution.id
+                    self.tasks[eid] = task
+                    task.add_done_callback(lambda _t, eid=eid, s=slot: self._done(eid, s))
+            # Jobs that are not rollout jobs (anyone who can write to Redis can enqueue
+            # anything): to rq's failed registry with the reason, without a slot or a task.
+            # After the good ones are running: a refusal may wait out a Redis outage.
+            for running in taken:
                 if running.problem is not None:
-                    # Not a rollout job (anyone who can write to Redis can enqueue anything):
-                    # to rq's failed registry with the reason, before it takes a slot or a task.
                     slots.release()
                     await self._refuse(rq, running, running.problem)
-                    continue
-                slot = _Slot(slots)
-                task = asyncio.create_task(self._run_job(rq, running, slot.release))
-                eid = running.execution.id
-                self.tasks[eid] = task
-                task.add_done_callback(lambda _t, eid=eid, s=slot: self._done(eid, s))
 
     async def _slot_or_stop(self, slots: asyncio.Semaphore) -> bool:
         """True with a slot acquired; False (holding none) once a stop was requested."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import pytest_asyncio
 from redis import Redis
 from rq.job import JobStatus
 
@@ -23,6 +25,22 @@ from workers.rq_bridge import RqBridge
 pytestmark = pytest.mark.redis_server
 
 
+@pytest.fixture
+def sync(server: RedisServer) -> Iterator[Redis]:
+    r = Redis.from_url(server.url)
+    yield r
+    r.close()
+
+
+@pytest_asyncio.fixture
+async def bridge(server: RedisServer) -> AsyncIterator[RqBridge]:
+    """A registered bridge of worker "w1" on the default queue."""
+    b = RqBridge(server.url, ["rollouts"], "w1")
+    await b.register()
+    yield b
+    await b.close()
+
+
 async def _submit(server: RedisServer, n: int) -> list[str]:
     client = RolloutClient(server.url)
     try:
@@ -32,88 +50,63 @@ async def _submit(server: RedisServer, n: int) -> list[str]:
 
 
 async def test_several_jobs_in_one_call_each_started_as_rq_starts_one(
-    server: RedisServer,
+    server: RedisServer, sync: Redis, bridge: RqBridge
 ) -> None:
     ids = await _submit(server, 5)
-    sync = Redis.from_url(server.url)
-    bridge = RqBridge(server.url, ["rollouts"], "w1")
-    try:
-        await bridge.register()
-        first = await bridge.dequeue_many(1, 3)
-        assert [t.rollout_id for t in first] == ids[:3]  # in queue order
-        rest = await bridge.dequeue_many(1, 10)  # more asked than queued: what there is
-        assert [t.rollout_id for t in rest] == ids[3:]
-        assert await bridge.dequeue_many(1, 4) == []  # empty: after the blocking wait
-        taken = first + rest
-        queue = taken[0].queue
-        assert sync.llen(queue.key) == 0
-        assert sync.llen(queue.intermediate_queue_key) == 0  # none left "in transit"
-        started = set(queue.started_job_registry.get_job_ids())
-        for t in taken:
-            assert t.problem is None
-            t.job.refresh()
-            assert t.job.get_status() == JobStatus.STARTED
-            assert t.job.worker_name == "w1"
-            assert sync.ttl(t.job.key) == -1  # persisted while it runs
-            assert t.job.id in started
-            assert t.execution.id in bridge.running
-        assert len(bridge.worker.executions) == 5
-    finally:
-        await bridge.close()
-        sync.close()
+    first = await bridge.dequeue_many(1, 3)
+    assert [t.rollout_id for t in first] == ids[:3]  # in queue order
+    rest = await bridge.dequeue_many(1, 10)  # more asked than queued: what there is
+    assert [t.rollout_id for t in rest] == ids[3:]
+    assert await bridge.dequeue_many(1, 4) == []  # empty: after the blocking wait
+    taken = first + rest
+    queue = taken[0].queue
+    assert sync.llen(queue.key) == 0
+    assert sync.llen(queue.intermediate_queue_key) == 0  # none left "in transit"
+    started = set(queue.started_job_registry.get_job_ids())
+    for t in taken:
+        assert t.problem is None
+        t.job.refresh()
+        assert t.job.get_status() == JobStatus.STARTED
+        assert t.job.worker_name == "w1"
+        assert sync.ttl(t.job.key) == -1  # persisted while it runs
+        assert t.job.id in started
+        assert t.execution.id in bridge.running
+    assert len(bridge.worker.executions) == 5
 
 
 async def test_a_job_whose_hash_is_gone_is_skipped_and_the_rest_are_taken(
-    server: RedisServer,
+    server: RedisServer, sync: Redis, bridge: RqBridge
 ) -> None:
     ids = await _submit(server, 4)
-    sync = Redis.from_url(server.url)
-    bridge = RqBridge(server.url, ["rollouts"], "w1")
-    try:
-        await bridge.register()
-        queue = bridge.queues[0]
-        job_ids = [j.decode() for j in sync.lrange(queue.key, 0, -1)]
-        sync.delete(f"rq:job:{job_ids[2]}")  # as an ack racing the dequeue would
-        taken = await bridge.dequeue_many(1, 4)
-        assert [t.rollout_id for t in taken] == [ids[0], ids[1], ids[3]]
-        assert sync.llen(queue.key) == 0
-    finally:
-        await bridge.close()
-        sync.close()
+    queue = bridge.queues[0]
+    job_ids = [j.decode() for j in sync.lrange(queue.key, 0, -1)]
+    sync.delete(f"rq:job:{job_ids[2]}")  # as an ack racing the dequeue would
+    taken = await bridge.dequeue_many(1, 4)
+    assert [t.rollout_id for t in taken] == [ids[0], ids[1], ids[3]]
+    assert sync.llen(queue.key) == 0
 
 
 async def test_a_job_that_is_not_ours_comes_with_its_problem_beside_good_ones(
-    server: RedisServer,
+    server: RedisServer, bridge: RqBridge
 ) -> None:
     ids = await _submit(server, 1)
-    sync = Redis.from_url(server.url)
-    bridge = RqBridge(server.url, ["rollouts"], "w1")
-    try:
-        await bridge.register()
-        queue = bridge.queues[0]
-        queue.enqueue("os.getcwd")  # anyone who can write to Redis can enqueue anything
-        taken = await bridge.dequeue_many(1, 4)
-        assert [t.rollout_id for t in taken] == [ids[0], ""]
-        assert taken[0].problem is None
-        assert taken[1].problem is not None
-    finally:
-        await bridge.close()
-        sync.close()
+    bridge.queues[0].enqueue("os.getcwd")  # anyone who can write to Redis can enqueue anything
+    taken = await bridge.dequeue_many(1, 4)
+    assert [t.rollout_id for t in taken] == [ids[0], ""]
+    assert taken[0].problem is None
+    assert taken[1].problem is not None
 
 
-async def test_the_blocking_wait_still_ends_on_the_first_job(server: RedisServer) -> None:
-    bridge = RqBridge(server.url, ["rollouts"], "w1")
-    try:
-        await bridge.register()
-        started = time.monotonic()
-        call = asyncio.create_task(bridge.dequeue_many(5, 8))
-        await asyncio.sleep(0.3)
-        ids = await _submit(server, 1)
-        taken = await call
-        assert [t.rollout_id for t in taken] == ids
-        assert time.monotonic() - started < 3  # woke on the job, not at the 5 s timeout
-    finally:
-        await bridge.close()
+async def test_the_blocking_wait_still_ends_on_the_first_job(
+    server: RedisServer, bridge: RqBridge
+) -> None:
+    started = time.monotonic()
+    call = asyncio.create_task(bridge.dequeue_many(5, 8))
+    await asyncio.sleep(0.3)
+    ids = await _submit(server, 1)
+    taken = await call
+    assert [t.rollout_id for t in taken] == ids
+    assert time.monotonic() - started < 3  # woke on the job, not at the 5 s timeout
 
 
 async def test_a_worker_with_free_slots_takes_queued_jobs_in_few_dequeues(
