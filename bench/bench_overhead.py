@@ -56,8 +56,9 @@ rollout) is not broken down yet: a cProfile of the event loop's thread now shows
 epoll for 1.1 of 2.9 s and the rest spread thin, so the leads are off that thread or per
 rollout: rq's start and success bookkeeping on its threads, and the one Redis connection a
 fresh worker opens per rollout it starts at once (256 here; redis-py parses its own package
-metadata for CLIENT SETINFO on each). The checkpoint appends cost ~56 us of client CPU per 16-token checkpoint with 48x8
-routes (~3.5 us per token, measured alone on a real redis-server).
+metadata for CLIENT SETINFO on each). The checkpoint appends cost ~56 us of client CPU per
+16-token checkpoint with 48x8 routes (~3.5 us per token, measured alone on a real
+redis-server).
 """
 
 from __future__ import annotations
