@@ -56,6 +56,8 @@ def redirect_vllm_files(root: Path) -> None:
         os.environ.setdefault(key, str(root / sub))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # vLLM logs to stdout by default, which --json promises to a single JSON object.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     tempfile.tempdir = None
 
 
