@@ -133,11 +133,6 @@ class RqBridge:
 
         await self._books(birth)
 
-    async def dequeue(self, timeout: int) -> TakenJob | None:
-        """Block (in a thread) up to ``timeout`` s for a job; mark it started as ours."""
-        taken = await self.dequeue_many(timeout, 1)
-        return taken[0] if taken else None
-
     async def dequeue_many(self, timeout: int, limit: int) -> list[TakenJob]:
         """Block (in a thread) up to ``timeout`` s for a job, then take up to ``limit`` - 1
         more that are already queued (this worker's share of them, beside the other workers

@@ -41,8 +41,8 @@ async def test_a_heartbeat_queued_behind_the_success_does_not_recreate_an_acked_
         await bridge.register()
         batch = await client.submit([f.request(4)], batch_id="b")
         rid = batch[0]
-        taken = await bridge.dequeue(1)
-        assert taken is not None and taken.rollout_id == rid
+        (taken,) = await bridge.dequeue_many(1, 1)
+        assert taken.rollout_id == rid
         await _finish_rollout(client.store, rid)
 
         real_books = bridge._books

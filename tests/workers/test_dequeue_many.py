@@ -112,21 +112,24 @@ async def test_the_blocking_wait_still_ends_on_the_first_job(
 async def test_a_worker_with_free_slots_takes_queued_jobs_in_few_dequeues(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """64 queued rollouts and 64 slots: a handful of dequeues, not 64 (each one costs the
-    worker its thread hops; see the module docstring)."""
+    """64 queued rollouts and 64 slots: a handful of rq dequeues, not one per job (each one
+    costs the worker its thread hops; see the module docstring). Counted at rq's own
+    ``Queue.dequeue_any``, which every way of taking a job goes through first."""
+    from rq import Queue
+
     from workers.engines.synthetic import SyntheticEngine
-    from workers.worker import TAKE_AT_ONCE, Worker, WorkerConfig
+    from workers.worker import Worker, WorkerConfig
 
     ids = await _submit(server, 64)
-    calls: list[int] = []
-    real = RqBridge.dequeue_many
+    got: list[bool] = []
+    real = Queue.dequeue_any.__func__  # type: ignore[attr-defined]
 
-    async def counted(self: RqBridge, timeout: int, limit: int) -> list:
-        taken = await real(self, timeout, limit)
-        calls.append(len(taken))
-        return taken
+    def counted(cls: type[Queue], *args: object, **kwargs: object) -> object:
+        found = real(cls, *args, **kwargs)
+        got.append(found is not None)
+        return found
 
-    monkeypatch.setattr(RqBridge, "dequeue_many", counted)
+    monkeypatch.setattr(Queue, "dequeue_any", classmethod(counted))
     engine = SyntheticEngine(tokens_per_chunk=1, token_delay_s=0.01)  # 4 tokens: ~40 ms
     config = WorkerConfig(redis_url=server.url, burst=True, max_concurrency=64)
     await Worker(config, engine).run()
@@ -135,10 +138,8 @@ async def test_a_worker_with_free_slots_takes_queued_jobs_in_few_dequeues(
         assert {r.status.value for r in await client.wait(ids, timeout=30)} == {"done"}
     finally:
         await client.aclose()
-    taking = [n for n in calls if n]
-    assert sum(taking) == 64
-    assert len(taking) <= 64 // TAKE_AT_ONCE + 2, calls
-    assert max(taking) == min(64, TAKE_AT_ONCE)  # all it had slots for, at once
+    # Before: 64, one per job.
+    assert 1 <= sum(got) <= 2, got
 
 
 async def test_beside_another_worker_on_the_queue_a_worker_takes_its_share(
