@@ -37,6 +37,16 @@ from redis.retry import Retry
 
 from store.errors import InvalidRedisUrl
 
+try:
+    from redis.driver_info import DriverInfo
+except ImportError:  # redis-py < 7.1: the version is read once, at import, already
+    _DRIVER: dict[str, Any] = {}
+else:
+    # What CLIENT SETINFO reports, resolved once here: by default redis-py 7 reads its
+    # package metadata (importlib.metadata, the email parser) for every new connection,
+    # measured at ~1 ms each; a worker starting 256 rollouts at once opened 256 of them.
+    _DRIVER = {"driver_info": DriverInfo()}
+
 # Used when no URL is given on the command line, in a file or in the environment.
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 # The environment variable a URL (with its password) may come from instead of the command line,
@@ -106,6 +116,7 @@ def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
         socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=2.0,
         health_check_interval=10,
+        **_DRIVER,
     )
 
 
@@ -117,6 +128,7 @@ def connect_sync(url: str) -> redis.Redis:
         socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=2.0,
         health_check_interval=10,
+        **_DRIVER,
     )
 
 

@@ -37,16 +37,19 @@ class Leases:
         self.holder_key = keys.worker_leases(holder) if holder else ""
 
     async def take(self, rollout_id: str, ttl_s: float) -> None:
+        await self.take_many([rollout_id], ttl_s)
+
+    async def take_many(self, rollout_ids: list[str], ttl_s: float) -> list[None]:
+        """``take`` of many leases in one round trip (the worker's coalesced starts). No
+        MULTI (the two keys may sit in different Cluster slots): a lease missing from the
+        holder's set only means the TTL, not presence, recovers it."""
         until = now_ms() + int(ttl_s * 1000)
-        if not self.holder_key:
-            await self.redis.zadd(self.key, {rollout_id: until})
-            return
-        # One round trip, no MULTI (the two keys may sit in different Cluster slots): a lease
-        # missing from the holder's set only means the TTL, not presence, recovers it.
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(self.key, {rollout_id: until})
-        pipe.sadd(self.holder_key, rollout_id)
+        pipe.zadd(self.key, dict.fromkeys(rollout_ids, until))
+        if self.holder_key:
+            pipe.sadd(self.holder_key, *rollout_ids)
         await pipe.execute()
+        return [None] * len(rollout_ids)
 
     async def renew(self, rollout_ids: Iterable[str], ttl_s: float) -> None:
         """Extend every lease still held, in one round trip."""
@@ -56,13 +59,16 @@ class Leases:
             await self.redis.zadd(self.key, dict.fromkeys(ids, until), xx=True, gt=True)
 
     async def drop(self, rollout_id: str) -> None:
-        if not self.holder_key:
-            await self.redis.zrem(self.key, rollout_id)
-            return
+        await self.drop_many([rollout_id])
+
+    async def drop_many(self, rollout_ids: list[str]) -> list[None]:
+        """``drop`` of many leases in one round trip (the worker's coalesced ends)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zrem(self.key, rollout_id)
-        pipe.srem(self.holder_key, rollout_id)
+        pipe.zrem(self.key, *rollout_ids)
+        if self.holder_key:
+            pipe.srem(self.holder_key, *rollout_ids)
         await pipe.execute()
+        return [None] * len(rollout_ids)
 
     async def held_by(self, worker_id: str) -> list[str]:
         """The rollouts ``worker_id`` leased and did not drop (some may be leased by another

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from redis.client import Pipeline
 from rq import Queue
 from rq.exceptions import DequeueTimeout, InvalidJobOperation
 from rq.executions import Execution
@@ -31,6 +32,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from store import defaults
+from store.coalesce import Coalescer
 from store.connection import connect_sync
 from store.errors import InvalidRolloutId
 from store.keys import Keys, check_rollout_id
@@ -120,6 +122,7 @@ class RqBridge:
         self._books_thread = ThreadPoolExecutor(1, thread_name_prefix="rq-books")
         self._dequeue_thread = ThreadPoolExecutor(1, thread_name_prefix="rq-dequeue")
         self.running: dict[str, TakenJob] = {}  # execution id -> job
+        self._successes = Coalescer(self._succeed_many)
 
     async def _books(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -254,29 +257,121 @@ class RqBridge:
         await self._books(beat)
 
     async def succeed(self, r: TakenJob, result: dict[str, Any]) -> None:
-        def done() -> None:
-            r.job.ended_at = now()
-            r.job._result = result
-            # Out of failed first, should rq's maintenance have failed it during an outage.
-            r.queue.failed_job_registry.remove(r.job)
-            self.worker.handle_job_success(
-                r.job, r.queue, r.queue.started_job_registry, r.execution
-            )
-            self._idle_if_empty()
-            # The trainer may acknowledge the rollout (deleting its job) as soon as it ended,
-            # before this ran; rq's success just wrote the job and its result anew. Checked
-            # after the write, so an ack before it is seen here and one after it deleted what
-            # was written: either way nothing of an acknowledged rollout stays behind.
-            if r.rollout_id and not self.connection.exists(self.keys.snapshot(r.rollout_id)):
-                self._delete_job(r)
+        """Record the job's success as rq's ``handle_job_success`` does. The successes that
+        arrive together are recorded together (``_record_successes``): one at a time, rq's
+        bookkeeping took ~7 round trips per job on the books thread, the largest part of a
+        worker's CPU per rollout at GPU cadence (bench_overhead's gpu_cadence profile)."""
+        await self._successes((r, result))
 
-        await self._finish(r, done, even_if_failed=True)
+    async def _succeed_many(
+        self, items: list[tuple[TakenJob, dict[str, Any]]]
+    ) -> list[BaseException | None]:
+        outcomes = await self._books(self._record_successes, items)
+        for (r, _), outcome in zip(items, outcomes, strict=True):
+            if outcome is None:
+                # Only once rq has it: until then the heartbeat keeps the execution alive.
+                self.running.pop(r.execution.id, None)
+        return outcomes
 
-    def _delete_job(self, r: TakenJob) -> None:
+    def _record_successes(
+        self, items: list[tuple[TakenJob, dict[str, Any]]]
+    ) -> list[BaseException | None]:
+        """On the books thread: what ``_finish`` and rq's ``handle_job_success`` do for one
+        job, for all of ``items`` in three round trips: read whose each job is, one MULTI with
+        every job's success, then the acknowledged rollouts' jobs deleted. rq's WATCH on a
+        job's dependents is what makes its own call one transaction per job; a job with
+        dependents, repeats or a rate limit (none of ours has them: anyone may enqueue one)
+        goes through rq's own call instead."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for r, _ in items:
+                pipe.zscore(r.queue.started_job_registry.key, r.execution.composite_key)
+                pipe.hget(r.job.key, "status")
+                pipe.scard(r.job.dependents_key)
+            replies = pipe.execute()
+        outcomes: list[BaseException | None] = [None] * len(items)
+        alone, recorded = [], []
+        ended_at = now()
         with self.connection.pipeline() as pipe:
-            pipe.delete(r.job.key, Result.get_key(r.job.id))
-            pipe.zrem(r.queue.finished_job_registry.key, r.job.id)
+            for i, (r, result) in enumerate(items):
+                score, status, dependents = replies[3 * i : 3 * i + 3]
+                if (score is not None and status == b"started") or status == b"failed":
+                    # Ours, or failed by rq's maintenance during an outage (see _finish).
+                    if dependents or r.job.repeats_left or getattr(r.job, "has_rate_limit", 0):
+                        alone.append(i)
+                        continue
+                    mark = len(pipe.command_stack)
+                    try:
+                        self._success(r, result, ended_at, pipe)
+                        recorded.append(r)
+                    except Exception as exc:
+                        del pipe.command_stack[mark:]  # nothing half-written for this job
+                        outcomes[i] = exc
+                elif status is None:
+                    # The job is gone: its rollout was acknowledged first (see _finish).
+                    self.worker.cleanup_execution(r.job, pipeline=pipe, execution=r.execution)
             pipe.execute()
+        for i in alone:
+            r, result = items[i]
+            try:
+                self._finish_now(r, functools.partial(self._succeed_alone, r, result), True)
+            except Exception as exc:
+                outcomes[i] = exc
+        self._idle_if_empty()
+        self._delete_acknowledged(recorded)
+        for (r, _), outcome in zip(items, outcomes, strict=True):
+            r.ended = r.ended or outcome is None
+        return outcomes
+
+    def _success(self, r: TakenJob, result: dict[str, Any], ended_at: Any, pipe: Pipeline) -> None:
+        """rq 3's ``handle_job_success`` for a job with no dependents, repeats or rate limit,
+        its commands queued on ``pipe``; out of failed first, should rq's maintenance have
+        failed it during an outage."""
+        w, job = self.worker, r.job
+        job.ended_at = ended_at
+        job._result = result
+        r.queue.failed_job_registry.remove(job, pipeline=pipe)
+        w.increment_successful_job_count(pipeline=pipe)
+        w.increment_total_working_time(job.ended_at - job.started_at, pipe)
+        result_ttl = job.get_result_ttl(w.default_result_ttl)
+        if result_ttl != 0:
+            job._handle_success(
+                result_ttl, pipeline=pipe, worker_name=w.name, execution_id=r.execution.id,
+                execution_started_at=r.execution.created_at, execution_ended_at=job.ended_at,
+            )  # fmt: skip
+        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+        job._status = JobStatus.FINISHED
+        w.cleanup_execution(job, pipeline=pipe, execution=r.execution)
+
+    def _succeed_alone(self, r: TakenJob, result: dict[str, Any]) -> None:
+        r.job.ended_at = now()
+        r.job._result = result
+        r.queue.failed_job_registry.remove(r.job)
+        self.worker.handle_job_success(r.job, r.queue, r.queue.started_job_registry, r.execution)
+        self._idle_if_empty()
+        self._delete_acknowledged([r])
+
+    def _delete_acknowledged(self, recorded: list[TakenJob]) -> None:
+        """The trainer may acknowledge a rollout (deleting its job) as soon as it ended,
+        before its success was recorded; that success just wrote the job and its result
+        anew. Checked after the write, so an ack before it is seen here and one after it
+        deleted what was written: either way nothing of an acknowledged rollout stays."""
+        mine = [r for r in recorded if r.rollout_id]
+        if not mine:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for r in mine:
+                pipe.exists(self.keys.snapshot(r.rollout_id))
+            alive = pipe.execute()
+        gone = [r for r, exists in zip(mine, alive, strict=True) if not exists]
+        if gone:
+            with self.connection.pipeline() as pipe:
+                for r in gone:
+                    self._delete_job(r, pipe)
+                pipe.execute()
+
+    def _delete_job(self, r: TakenJob, pipe: Pipeline) -> None:
+        pipe.delete(r.job.key, Result.get_key(r.job.id))
+        pipe.zrem(r.queue.finished_job_registry.key, r.job.id)
 
     async def fail(self, r: TakenJob, error: str) -> None:
         def done() -> None:
@@ -392,32 +487,34 @@ class RqBridge:
     async def _finish(
         self, r: TakenJob, fn: Callable[[], None], *, even_if_failed: bool = False
     ) -> None:
-        def guarded() -> None:
-            # rq's maintenance (even `rq info`) fails executions whose heartbeat lapsed (a
-            # Redis outage longer than a heartbeat TTL does it). Such a job must not land in
-            # two registries: a success moves it from failed to finished, a requeue takes it
-            # out of failed (``even_if_failed``); anything else leaves rq's verdict.
-            with self.connection.pipeline(transaction=False) as pipe:
-                pipe.zscore(r.queue.started_job_registry.key, r.execution.composite_key)
-                pipe.hget(r.job.key, "status")
-                score, status = pipe.execute()
-            ours = score is not None and status == b"started"
-            if ours or (status == b"failed" and even_if_failed):
-                fn()
-            elif status is None:
-                # The job is gone: the trainer acknowledged its rollout (store/lua/ack.lua
-                # deletes the job) before this bookkeeping ran. Only our execution's records
-                # are left to remove; recording a result would recreate what ack deleted.
-                with self.connection.pipeline() as pipe:
-                    self.worker.cleanup_execution(r.job, pipeline=pipe, execution=r.execution)
-                    pipe.execute()
-                self._idle_if_empty()
-            r.ended = True
-
-        await self._books(guarded)
+        await self._books(self._finish_now, r, fn, even_if_failed)
         # Only once rq has it: until then the heartbeat keeps the execution alive, so a call
         # retried through an outage is not beaten by rq declaring the job abandoned.
         self.running.pop(r.execution.id, None)
+
+    def _finish_now(self, r: TakenJob, fn: Callable[[], None], even_if_failed: bool) -> None:
+        """On the books thread: ``fn`` if the job is still ours to end.
+
+        rq's maintenance (even `rq info`) fails executions whose heartbeat lapsed (a Redis
+        outage longer than a heartbeat TTL does it). Such a job must not land in two
+        registries: a success moves it from failed to finished, a requeue takes it out of
+        failed (``even_if_failed``); anything else leaves rq's verdict."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.zscore(r.queue.started_job_registry.key, r.execution.composite_key)
+            pipe.hget(r.job.key, "status")
+            score, status = pipe.execute()
+        ours = score is not None and status == b"started"
+        if ours or (status == b"failed" and even_if_failed):
+            fn()
+        elif status is None:
+            # The job is gone: the trainer acknowledged its rollout (store/lua/ack.lua
+            # deletes the job) before this bookkeeping ran. Only our execution's records
+            # are left to remove; recording a result would recreate what ack deleted.
+            with self.connection.pipeline() as pipe:
+                self.worker.cleanup_execution(r.job, pipeline=pipe, execution=r.execution)
+                pipe.execute()
+            self._idle_if_empty()
+        r.ended = True
 
     def _idle_if_empty(self) -> None:
         if not self.worker.executions:

@@ -30,6 +30,7 @@ from statemachine.arrays import clamp_logprobs
 from statemachine.commands import NewTokens
 from statemachine.errors import ModelMismatch
 from store import AppendRefused, EventStore, defaults
+from store.coalesce import Coalescer
 from store.leases import Leases, now_ms
 from store.logs import log_event
 from workers.checkpoint import Cadence, Checkpointer
@@ -138,6 +139,12 @@ class RolloutRunner:
         self.weight_mode = weight_mode
         self.leases = leases
         self.lease_ttl_s = lease_ttl_s
+        # A rollout's first load, its lease and the lease's drop: each is one round trip of
+        # its own per rollout, and many rollouts start and end together (store.coalesce).
+        self._load = Coalescer(store.load_many)
+        if leases is not None:
+            self._take = Coalescer(lambda ids: leases.take_many(ids, self.lease_ttl_s))
+            self._drop = Coalescer(leases.drop_many)
         self.max_worker_lost = max_worker_lost
         # What every attempt records as its model; the engine's own identity unless the
         # deployment names it (e.g. vLLM servers whose model directory is not mounted here).
@@ -203,7 +210,7 @@ class RolloutRunner:
                 # Our attempt is over: the lease goes before the job is handed back, so that the
                 # next worker's lease is never the one we drop. An ended rollout (e.g. cancelled
                 # under us: LOST) takes no lease ever again, so its lease is nobody's.
-                await self.leases.drop(rollout_id)
+                await self._drop(rollout_id)
             return result
         finally:
             if self._attempts.get(rollout_id) is attempt:  # not a later run's record
@@ -212,7 +219,7 @@ class RolloutRunner:
                 self._idle.set()
 
     async def _run(self, rollout_id: str, queue: str | None, attempt: _Attempt) -> RunResult:
-        state = await self.store.load(rollout_id)
+        state = await self._load(rollout_id)
         if state.terminal:
             return RunResult(Outcome.FINISHED, state)  # a duplicate or late job: nothing to do
         if queue is not None and queue != state.queue:
@@ -235,7 +242,7 @@ class RolloutRunner:
                     return RunResult(Outcome.DUPLICATE, state)
             # Lease first, attempt second: a crash in between leaves a lease the reaper turns
             # into a re-enqueue, never a live attempt nobody watches.
-            await self.leases.take(rollout_id, self.lease_ttl_s)
+            await self._take(rollout_id)
         try:
             if state.status in LIVE:
                 spent = await self._worker_lost_budget_spent(state)

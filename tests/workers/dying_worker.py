@@ -64,7 +64,7 @@ def main(url: str, step: str) -> None:
     elif step == "started":
         _after(RqBridge, "dequeue_many")
     elif step == "leased":
-        _after(Leases, "take")
+        _after(Leases, "take_many")  # the runner takes leases through it (coalesced)
     elif step == "aborted":
         _before(RqBridge, "requeue")
     else:
