@@ -279,8 +279,9 @@ class EventStore:
         submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
         if not isinstance(submitted, Submitted):
             raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
+        # The first entry is the Submitted record, decoded above.
         chunks = tuple(
-            e for e in _decode_entries(rollout_id, entries) if isinstance(e, TokensAppended)
+            e for e in _decode_entries(rollout_id, entries[1:]) if isinstance(e, TokensAppended)
         )
         state = codec.decode_snapshot(head, submitted, chunks)
         if sum(len(c) for c in chunks) != state.num_tokens:

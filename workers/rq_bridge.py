@@ -44,6 +44,8 @@ log = logging.getLogger("rollouts.rq")
 
 # How long rq lists a superseded job among the canceled ones (as its finished jobs: an hour).
 SUPERSEDED_TTL_S = 3600
+# How long rq keeps a job's first-seen mark in its intermediate queue (IntermediateQueue).
+FIRST_SEEN_TTL_S = 3600 * 24
 
 
 class InProcessWorker(BaseWorker):
@@ -462,18 +464,33 @@ class RqBridge:
         if not stuck:
             return []
         live = set(q.started_job_registry.get_job_ids(cleanup=False))
+        stuck = [job_id for job_id in stuck if job_id not in live]
+        if not stuck:
+            return []
+        # Pipelined, as every list is long while a worker takes a batch of jobs (it pops
+        # them all, then starts them all): one round trip per job here cost that worker
+        # more than its dequeue did.
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id in stuck:
+                pipe.exists(Job.key_for(job_id))
+            there = pipe.execute()
+        # A job whose hash is gone was deleted (its rollout acknowledged while the job still
+        # waited): rq's dequeue skipped it but left it here. Nothing to run: drop it.
+        gone = [job_id for job_id, e in zip(stuck, there, strict=True) if not e]
+        present = [job_id for job_id, e in zip(stuck, there, strict=True) if e]
+        stamp = now().timestamp()
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id in gone:
+                pipe.lrem(intermediate.key, 1, job_id)
+            for job_id in present:
+                # rq's set_first_seen (NX: the first sweep that saw it) and get_first_seen.
+                key = intermediate.get_first_seen_key(job_id)
+                pipe.set(key, stamp, nx=True, ex=FIRST_SEEN_TTL_S)
+                pipe.get(key)
+            seen = pipe.execute()[len(gone) :][1::2]
         requeued = []
-        for job_id in stuck:
-            if job_id in live:
-                continue
-            if not self.connection.exists(Job.key_for(job_id)):
-                # Its job was deleted (its rollout acknowledged while the job still waited):
-                # rq's dequeue skipped it but left it here. Nothing to run: drop it.
-                self.connection.lrem(intermediate.key, 1, job_id)
-                continue
-            intermediate.set_first_seen(job_id)  # NX: the first sweep that saw it
-            seen = intermediate.get_first_seen(job_id)
-            if seen is None or (now() - seen).total_seconds() < self.worker.execution_ttl:
+        for job_id, first in zip(present, seen, strict=True):
+            if first is None or stamp - float(first) < self.worker.execution_ttl:
                 continue
             # LREM decides the race between sweeps: only the one that removed it pushes it.
             if self.connection.lrem(intermediate.key, 1, job_id):
