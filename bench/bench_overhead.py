@@ -51,14 +51,22 @@ requests per engine step on average, against 256 for the engine alone). Steps th
 every per-step cost a per-token one. Taking all queued jobs it has slots for in one dequeue
 (``RqBridge.dequeue_many``) fills the slots in a fraction of a second: 150-190 requests per
 step, 55k -> 128k-171k tokens/s at 256 in flight and 105k-166k at 1,024, and the worker's
-added CPU 19 -> 9-10 us per token (12 at 1,024). What is left (~5 ms of CPU per 512-token
-rollout) is not broken down yet: a cProfile of the event loop's thread now shows it waiting in
-epoll for 1.1 of 2.9 s and the rest spread thin, so the leads are off that thread or per
-rollout: rq's start and success bookkeeping on its threads, and the one Redis connection a
-fresh worker opens per rollout it starts at once (256 here; redis-py parses its own package
-metadata for CLIENT SETINFO on each). The checkpoint appends cost ~56 us of client CPU per
-16-token checkpoint with 48x8 routes (~3.5 us per token, measured alone on a real
-redis-server).
+added CPU 19 -> 9-10 us per token (12 at 1,024).
+
+What was left then was mostly per rollout (~5 ms of CPU per 512-token rollout): py-spy --gil
+put rq's success
+bookkeeping (~7 round trips per job on the books thread) at a fifth of the worker's samples, and
+each rollout's own first load, lease take and lease drop made redis-py's asyncio pool open one
+connection per rollout running them at once (72 connections for 64 rollouts, measured), each
+parsing redis-py's package metadata for CLIENT SETINFO (~1 ms). Now those calls go together
+(``store.coalesce.Coalescer``: the calls made while a batch is in flight form the next one;
+``RqBridge._record_successes``: three round trips per batch of successes), the driver info is
+resolved once, the stuck-dequeue sweep is pipelined, and the stepper's rows grow without zeroing
+token data (~25 MB per doubling at 256 rows with 48x8 routes). Added CPU per token: 9.8 -> 3.9
+at 256 in flight and 3.95 at 1,024; 177k-274k tokens/s through the worker. The rest is per
+token: the checkpoint appends (encode, transition, the Lua call's packing and one reply read
+per queued command, each under its own asyncio timeout) and the stepper's scatter of each step
+into rows, with rq's start and success bookkeeping (~0.5 us per token) on its thread.
 """
 
 from __future__ import annotations

@@ -125,12 +125,12 @@ class RolloutRunner:
         lease_ttl_s: float = defaults.LEASE_TTL_S,
         model_id: str | None = None,
         max_worker_lost: int = defaults.MAX_WORKER_LOST,
-        stepped: bool | None = False,
+        stepped: bool | None = None,
     ) -> None:
         """``stepped``: stream through the engine's steps (``workers.stepper``) rather than one
         ``generate`` stream per rollout; None: whenever the engine offers them
-        (``offers_steps``). Off by default until it has run in the whole suite and on a quiet
-        machine's benchmarks (issue 15): the per-rollout streams are the proven path."""
+        (``offers_steps``), the default; False: the per-rollout streams (an engine without
+        steps, such as vLLM over HTTP, always runs that way)."""
         self.store = store
         self.checkpointer = checkpointer
         self.engine = engine

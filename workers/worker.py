@@ -81,8 +81,8 @@ class WorkerConfig:
     # heartbeat; heartbeats go out every RQ_HEARTBEAT_S (or every lease heartbeat, if slower).
     rq_execution_ttl_s: float = defaults.RQ_EXECUTION_TTL_S
     # Stream through the engine's whole steps (workers/stepper.py); None: if it offers them.
-    # Off by default for now (see RolloutRunner): `rollouts worker --engine-steps` turns it on.
-    stepped: bool | None = False
+    # False: one stream per rollout (`rollouts worker --no-engine-steps`).
+    stepped: bool | None = None
 
 
 class _Slot:
