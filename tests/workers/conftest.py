@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from redis import Redis
 
 from store.redis_server import RedisServer
 from tests.vllm_plugin import release_vllm
+from workers.rq_bridge import RqBridge
 
 
 @pytest_asyncio.fixture(scope="package", loop_scope="session", autouse=True)
@@ -23,3 +25,20 @@ async def _no_idle_vllm_engines() -> None:
 def server(tmp_path: Path) -> Iterator[RedisServer]:
     with RedisServer(tmp_path / "redis") as s:
         yield s
+
+
+@pytest.fixture
+def sync(server: RedisServer) -> Iterator[Redis]:
+    """A synchronous client of the test's server (what rq uses)."""
+    r = Redis.from_url(server.url)
+    yield r
+    r.close()
+
+
+@pytest_asyncio.fixture
+async def bridge(server: RedisServer) -> AsyncIterator[RqBridge]:
+    """A registered rq bridge of worker "w1" on the default queue."""
+    b = RqBridge(server.url, ["rollouts"], "w1")
+    await b.register()
+    yield b
+    await b.close()

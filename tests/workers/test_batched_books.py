@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -32,21 +32,6 @@ from workers.runner import Outcome
 from workers.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.redis_server
-
-
-@pytest.fixture
-def sync(server: RedisServer) -> Iterator[Redis]:
-    r = Redis.from_url(server.url)
-    yield r
-    r.close()
-
-
-@pytest_asyncio.fixture
-async def bridge(server: RedisServer) -> AsyncIterator[RqBridge]:
-    b = RqBridge(server.url, ["rollouts"], "w1")
-    await b.register()
-    yield b
-    await b.close()
 
 
 @pytest_asyncio.fixture

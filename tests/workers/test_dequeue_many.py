@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import pytest_asyncio
 from redis import Redis
 from rq.job import JobStatus
 
@@ -23,22 +21,6 @@ from tests import factories as f
 from workers.rq_bridge import RqBridge
 
 pytestmark = pytest.mark.redis_server
-
-
-@pytest.fixture
-def sync(server: RedisServer) -> Iterator[Redis]:
-    r = Redis.from_url(server.url)
-    yield r
-    r.close()
-
-
-@pytest_asyncio.fixture
-async def bridge(server: RedisServer) -> AsyncIterator[RqBridge]:
-    """A registered bridge of worker "w1" on the default queue."""
-    b = RqBridge(server.url, ["rollouts"], "w1")
-    await b.register()
-    yield b
-    await b.close()
 
 
 async def _submit(server: RedisServer, n: int) -> list[str]:
