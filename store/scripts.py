@@ -14,6 +14,7 @@ script of the same transaction let them (see ``lua/append.lua``).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,6 +26,7 @@ from typing import Any
 import hiredis
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ExecAbortError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -142,13 +144,7 @@ async def _transaction(client: Redis, steps: Sequence[Step], *, by_text: bool) -
 async def _exchange(conn: Any, packed: list[bytes], n: int) -> list[Any]:
     await conn.send_packed_command(packed)
     await conn.read_response()  # MULTI's OK
-    refused = []
-    for _ in range(n):
-        try:
-            await conn.read_response()  # QUEUED
-        except ResponseError as exc:
-            # Refused when queued (unknown command, wrong arity): EXEC aborts them all.
-            refused.append(exc)
+    refused = await _queued(conn, n)
     try:
         replies = await conn.read_response()
     except ExecAbortError:
@@ -156,6 +152,40 @@ async def _exchange(conn: Any, packed: list[bytes], n: int) -> list[Any]:
             raise refused[0] from None
         raise
     return list(replies)
+
+
+async def _queued(conn: Any, n: int) -> list[ResponseError]:
+    """The n QUEUED replies, read from the connection's parser under one deadline for all.
+    redis-py's ``read_response`` opens an asyncio timeout per reply; a checkpoint of 256
+    rollouts is ~770 replies, and those timeouts were a tenth of a worker's event-loop CPU at
+    GPU cadence (cProfile, bench_overhead's gpu_cadence). What ``read_response`` does on a
+    failure is done here too: the connection is dropped, and the error is redis-py's."""
+    refused = []
+    if type(conn).read_response is not AbstractConnection.read_response:
+        # A connection that reads its own way (fakeredis's): reply by reply, through it.
+        for _ in range(n):
+            try:
+                await conn.read_response()
+            except ResponseError as exc:
+                refused.append(exc)
+        return refused
+    try:
+        async with asyncio.timeout(conn.socket_timeout):
+            for _ in range(n):
+                reply = await conn._parser.read_response()
+                if isinstance(reply, ResponseError):
+                    # Refused when queued (unknown command, wrong arity): EXEC aborts them all.
+                    refused.append(reply)
+    except TimeoutError:
+        await conn.disconnect(nowait=True)
+        raise RedisTimeoutError("Timeout reading the replies of a transaction") from None
+    except OSError as exc:
+        await conn.disconnect(nowait=True)
+        raise RedisConnectionError(f"Error while reading a transaction's replies: {exc}") from exc
+    except BaseException:
+        await conn.disconnect(nowait=True)
+        raise
+    return refused
 
 
 def run_sync(client: SyncRedis, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
