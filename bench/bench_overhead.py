@@ -62,11 +62,13 @@ parsing redis-py's package metadata for CLIENT SETINFO (~1 ms). Now those calls 
 (``store.coalesce.Coalescer``: the calls made while a batch is in flight form the next one;
 ``RqBridge._record_successes``: three round trips per batch of successes), the driver info is
 resolved once, the stuck-dequeue sweep is pipelined, and the stepper's rows grow without zeroing
-token data (~25 MB per doubling at 256 rows with 48x8 routes). Added CPU per token: 9.8 -> 3.9
-at 256 in flight and 3.95 at 1,024; 177k-274k tokens/s through the worker. The rest is per
-token: the checkpoint appends (encode, transition, the Lua call's packing and one reply read
-per queued command, each under its own asyncio timeout) and the stepper's scatter of each step
-into rows, with rq's start and success bookkeeping (~0.5 us per token) on its thread.
+token data (~25 MB per doubling at 256 rows with 48x8 routes), and a transaction's QUEUED
+replies are read under one deadline (redis-py opened an asyncio timeout per reply: 6.9 -> 1.2-1.9
+us of client CPU per queued command). Added CPU per token: 9.8 -> 3.9-5.8 at 256 in flight
+(median of ten runs 4.5) and 3.8-4.4 at 1,024; 177k-274k tokens/s through the worker. The rest
+is per token: the checkpoint appends (encoding, the transition, the Lua call's packing) and the
+stepper's scatter of each step into rows, with rq's start and success bookkeeping (~0.5 us per
+token) on its thread.
 """
 
 from __future__ import annotations
