@@ -100,6 +100,20 @@ def job_problem(job: Job) -> tuple[str, str | None]:
         return "", str(exc)
 
 
+def _read_whose(pipe: Pipeline, r: TakenJob) -> None:
+    """Queue the two reads that say whose a job is: our execution's score in the started
+    registry, and the job's status (``_ours_to_end`` reads them)."""
+    pipe.zscore(r.queue.started_job_registry.key, r.execution.composite_key)
+    pipe.hget(r.job.key, "status")
+
+
+def _ours_to_end(score: Any, status: bytes | None, *, even_if_failed: bool) -> bool:
+    """Whether this execution may record the job's end: still started by it, or failed by rq's
+    maintenance during an outage when the end takes it out of failed (``even_if_failed``:
+    a success or a requeue; see ``RqBridge._finish_now``)."""
+    return (score is not None and status == b"started") or (even_if_failed and status == b"failed")
+
+
 class RqBridge:
     def __init__(
         self,
@@ -286,8 +300,7 @@ class RqBridge:
         goes through rq's own call instead."""
         with self.connection.pipeline(transaction=False) as pipe:
             for r, _ in items:
-                pipe.zscore(r.queue.started_job_registry.key, r.execution.composite_key)
-                pipe.hget(r.job.key, "status")
+                _read_whose(pipe, r)
                 pipe.scard(r.job.dependents_key)
             replies = pipe.execute()
         outcomes: list[BaseException | None] = [None] * len(items)
@@ -296,8 +309,7 @@ class RqBridge:
         with self.connection.pipeline() as pipe:
             for i, (r, result) in enumerate(items):
                 score, status, dependents = replies[3 * i : 3 * i + 3]
-                if (score is not None and status == b"started") or status == b"failed":
-                    # Ours, or failed by rq's maintenance during an outage (see _finish).
+                if _ours_to_end(score, status, even_if_failed=True):
                     if dependents or r.job.repeats_left or getattr(r.job, "has_rate_limit", 0):
                         alone.append(i)
                         continue
@@ -517,11 +529,9 @@ class RqBridge:
         registries: a success moves it from failed to finished, a requeue takes it out of
         failed (``even_if_failed``); anything else leaves rq's verdict."""
         with self.connection.pipeline(transaction=False) as pipe:
-            pipe.zscore(r.queue.started_job_registry.key, r.execution.composite_key)
-            pipe.hget(r.job.key, "status")
+            _read_whose(pipe, r)
             score, status = pipe.execute()
-        ours = score is not None and status == b"started"
-        if ours or (status == b"failed" and even_if_failed):
+        if _ours_to_end(score, status, even_if_failed=even_if_failed):
             fn()
         elif status is None:
             # The job is gone: the trainer acknowledged its rollout (store/lua/ack.lua
