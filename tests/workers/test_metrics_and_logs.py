@@ -149,8 +149,11 @@ async def test_metrics_match_redis_after_a_weight_update_mid_flight(
 
         async def settled() -> bool:
             m = await scrape(port)
+            # Done, and out of the runner: a rollout's lease is dropped after its end is
+            # counted, so a scrape in between sees it still in flight.
             return m("rollouts_worker_rollouts_finished_total", outcome="done") == 3 and (
                 m("rollouts_worker_weight_version_lag") is not None
+                and m("rollouts_worker_in_flight") == 0
             )
 
         await until(settled, 30, "the metrics never showed the run's end")
@@ -218,7 +221,9 @@ async def test_sigterm_mid_generation_then_another_worker_resumes(
 
         async def settled() -> bool:
             m = await scrape(port)
-            return m("rollouts_worker_rollouts_finished_total", outcome="done") == 2
+            # Done, and out of the runner (see above: the lease drop follows the count).
+            done = m("rollouts_worker_rollouts_finished_total", outcome="done") == 2
+            return done and m("rollouts_worker_in_flight") == 0
 
         await until(settled, 30, "the metrics never showed the run's end")
         m = await scrape(port)
@@ -283,7 +288,9 @@ async def test_a_killed_workers_rollout_is_counted_by_the_worker_that_recovers_i
 
         async def settled() -> bool:
             m = await scrape(port)
-            return m("rollouts_worker_rollouts_finished_total", outcome="done") == 1
+            # Done, and out of the runner (see above: the lease drop follows the count).
+            done = m("rollouts_worker_rollouts_finished_total", outcome="done") == 1
+            return done and m("rollouts_worker_in_flight") == 0
 
         await until(settled, 30, "the metrics never showed the run's end")
         m = await scrape(port)
