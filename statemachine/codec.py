@@ -13,13 +13,21 @@ functions registered in ``UPCASTERS`` before the event is built.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
+
+try:
+    # zlib-ng's CRC-32 is zlib's (same polynomial, same values: records written either way read
+    # either way) at ~15x the speed: 0.36 vs 5.3 us for a 13 KB chunk, measured. Every chunk is
+    # checksummed once when written and once per read. zlib stays the fallback for a platform
+    # without a zlib-ng wheel.
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover
+    from zlib import crc32
 
 from statemachine.arrays import LOGPROB_DTYPE, ROUTE_DTYPES, TOKEN_DTYPE, VERSION_DTYPE
 from statemachine.errors import (
@@ -60,8 +68,12 @@ Fields = dict[str, Any]
 
 
 def pack_array(arr: npt.NDArray[Any]) -> list[Any]:
-    le = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
     # A byte view, not tobytes(): msgpack copies the bytes into the record once, not twice.
+    dtype = arr.dtype
+    if dtype.byteorder != ">" and arr.flags.c_contiguous:
+        # An event's arrays always are: no conversion call (half this function's time).
+        return [dtype.str, list(arr.shape), memoryview(arr).cast("B")]  # type: ignore[arg-type]
+    le = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
     data = memoryview(np.ascontiguousarray(arr, dtype=le)).cast("B")  # type: ignore[arg-type]
     return [le.str, list(arr.shape), data]
 
@@ -404,7 +416,7 @@ def snapshot_status(record: bytes, *, rollout_id: str | None = None) -> str:
 
 
 def _frame(magic: bytes, body: bytes) -> bytes:
-    return magic + zlib.crc32(body).to_bytes(4, "little") + body
+    return magic + crc32(body).to_bytes(4, "little") + body
 
 
 def _unframe(magic: bytes, record: bytes, rollout_id: str | None, seq: int | None) -> bytes:
@@ -416,7 +428,7 @@ def _unframe(magic: bytes, record: bytes, rollout_id: str | None, seq: int | Non
     if len(record) < 6 or record[:1] != magic:
         raise CorruptRecord("truncated record or wrong magic byte", rollout_id=rollout_id, seq=seq)
     body = record[5:]
-    if zlib.crc32(body) != int.from_bytes(record[1:5], "little"):
+    if crc32(body) != int.from_bytes(record[1:5], "little"):
         raise CorruptRecord(
             "checksum mismatch: record damaged or truncated", rollout_id=rollout_id, seq=seq
         )

@@ -105,6 +105,24 @@ def test_routes_use_smallest_dtype_and_raw_bytes(event: TokensAppended) -> None:
     assert len(fields["token_ids"][2]) == 4 * len(event)
 
 
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.arange(12, dtype=">i4"),  # big-endian: stored little-endian
+        np.arange(24, dtype="<i4")[::2],  # strided view: stored contiguous
+        np.arange(2 * 3 * 4, dtype="u1").reshape(4, 3, 2).transpose(2, 1, 0),  # Fortran order
+        np.arange(6, dtype="<f4").reshape(2, 3),
+    ],
+)
+def test_any_array_layout_packs_to_the_same_values(arr: np.ndarray) -> None:
+    # pack_array has a fast path for the C-contiguous little-endian arrays events hold; every
+    # other layout must still store the values, not its raw memory.
+    packed = msgpack.unpackb(msgpack.packb(codec.pack_array(arr), use_bin_type=True), raw=False)
+    out = codec.unpack_array(packed)
+    assert out.dtype.byteorder in "<|=" and out.shape == arr.shape
+    np.testing.assert_array_equal(out, arr)
+
+
 @settings(max_examples=400)
 @given(events, st.data())
 def test_any_damage_is_refused(event: Event, data: st.DataObject) -> None:
