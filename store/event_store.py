@@ -8,12 +8,13 @@ Write path: ``append`` folds the event onto the caller's view of the state in Py
 illegal event raises the domain's ``TransitionError`` before anything is sent), then one
 MULTI/EXEC checks the sequence number and the fencing attempt (``lua/append.lua``) and writes
 the log entry and the new snapshot together. The record itself never passes through Lua, which
-would hash every byte of it: it goes beside the script, as a plain XADD that lands only if the
-script accepted. The caller's view may be stale: the script then refuses with
-``SequenceConflict`` or ``StaleAttempt`` and nothing is written. A retried append whose record
-is already stored at that sequence number succeeds without writing again, which is what makes
-a blind retry after a lost reply safe (the script reports the sequence number taken, and the
-stored record is compared with the caller's here).
+would hash every byte of it: it goes just before the script, as a plain XADD that the stream's
+own ids refuse for a seq already taken, and that the script undoes if it refuses the event, in
+the same transaction (so no reader ever sees it). The caller's view may be stale: the script
+then refuses with ``SequenceConflict`` or ``StaleAttempt`` and nothing is written. A retried
+append whose record is already stored at that sequence number succeeds without writing again,
+which is what makes a blind retry after a lost reply safe (the script reports the sequence
+number taken, and the stored record is compared with the caller's here).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ ARG_RECORD = 2
 class _Prepared:
     event: Event
     state: RolloutState
-    keys: tuple[str, ...]  # log, snapshot, completions, counters, batch record, staged log
+    keys: tuple[str, ...]  # log, snapshot, completions, counters, batch record
     args: tuple[int | str | bytes, ...]  # the event's ARGV to lua/append.lua, record included
 
     @property
@@ -84,23 +85,21 @@ class _Prepared:
         return self.event.seq == 1
 
     def script_keys(self) -> tuple[str, ...]:
-        log, snap, done, _, batch, staged = self.keys
-        return log, snap, done, batch, staged
+        log, snap, done, _, batch = self.keys
+        return log, snap, done, batch
 
     def script_args(self) -> tuple[int | str | bytes, ...]:
         if self.whole:
             return self.args
         return (*self.args[:ARG_RECORD], "", *self.args[ARG_RECORD + 1 :])
 
-    def beside(self) -> list[scripts.Step]:
-        """The plain steps that follow the script call of a header (none for a whole one)."""
+    def ahead(self) -> list[scripts.Step]:
+        """The plain step that goes just before the script call of a header, in the same
+        transaction (none for a whole one): its record's XADD, which lua/append.lua undoes if
+        it refuses the event."""
         if self.whole:
             return []
-        log, staged = self.keys[0], self.keys[-1]
-        return [
-            ("XADD", staged, "NOMKSTREAM", f"0-{self.event.seq}", "e", self.record),
-            ("RENAME", staged, log),
-        ]
+        return [("XADD", self.keys[0], "NOMKSTREAM", f"0-{self.event.seq}", "e", self.record)]
 
 
 class EventStore:
@@ -164,7 +163,7 @@ class EventStore:
         """Every append of ``calls`` in one MULTI/EXEC (one round trip), in order; the script's
         reply for each, with "taken" resolved into "dup" or the refusal."""
         # A rollout's n-th event of the batch goes in the n-th script call (lua/append.lua
-        # takes at most one event per rollout per call), each call followed by its records.
+        # takes at most one event per rollout per call), each call preceded by its records.
         rounds: list[list[int]] = []
         seen: dict[str, int] = {}
         for i, p in enumerate(calls):
@@ -178,14 +177,15 @@ class EventStore:
         for members in rounds:
             keys: list[str] = [calls[members[0]].keys[3]]  # the counters, one for all
             args: list[int | str | bytes] = []
+            xadds = []
             for i in members:
                 keys += calls[i].script_keys()
                 args += calls[i].script_args()
-            call_step = len(steps)
-            steps.append(scripts.Call(scripts.APPEND, keys, args))
+                xadds.append(len(steps))
+                steps += calls[i].ahead()
             for j, i in enumerate(members):
-                where[i] = (call_step, j, len(steps))
-                steps += calls[i].beside()
+                where[i] = (len(steps), j, xadds[j])
+            steps.append(scripts.Call(scripts.APPEND, keys, args))
         replies = await scripts.transaction(self.redis, steps)
         out: list[Any] = []
         for p, (call_step, j, xadd) in zip(calls, where, strict=True):
@@ -194,7 +194,8 @@ class EventStore:
                 raise batch
             reply = batch[j].split()  # lua/append.lua's words
             if not p.whole and reply[0] == b"ok" and not isinstance(replies[xadd], bytes):
-                # Accepted, yet the record did not land: lua/append.lua's gate is broken.
+                # Accepted, yet its XADD wrote nothing: the log is gone while its snapshot is
+                # not, which nothing here does (ack and expiry take both; see lua/append.lua).
                 raise AssertionError(f"{p.event.rollout_id} #{p.event.seq}: {replies[xadd]!r}")
             out.append(reply)
         taken = [i for i, reply in enumerate(out) if reply[0] == b"taken"]
@@ -226,7 +227,6 @@ class EventStore:
                 self.keys.completions(batch),
                 self.keys.stats(),
                 self.keys.batch(batch),
-                self.keys.staged_log(rid),
             ),
             args=(
                 event.seq,

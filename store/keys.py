@@ -105,11 +105,6 @@ class Keys:
         """Live workers' heartbeats (worker id -> their in-flight count, weights, time)."""
         return f"{self.namespace}:workers"
 
-    def staged_log(self, rollout_id: str) -> str:
-        """The log's name while an append's record is being added (see ``lua/append.lua``):
-        it exists only inside one MULTI/EXEC, never between transactions."""
-        return f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}:log:staged"
-
     def rollout(self, rollout_id: str) -> tuple[str, str]:
         """``(log, snapshot)``: what the append script gets as KEYS, checked once."""
         base = f"{self.namespace}:{{{check_rollout_id(rollout_id)}}}"

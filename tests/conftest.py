@@ -13,6 +13,7 @@ import redis.asyncio as aredis
 
 from store import EventStore
 from store.redis_server import RedisServer
+from tests import fakeredis_xsetid  # noqa: F401  (XSETID, which lua/append.lua uses)
 from tests.engine_pool import EnginePool
 from tests.engine_pool import cpu_pool as cpu_engine_pool
 

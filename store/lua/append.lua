@@ -1,12 +1,11 @@
 -- Append events to rollouts' logs and update their snapshots, in one atomic step.
 --
 -- KEYS[1]    the deployment's counters (a hash: rollouts by state, tokens)
--- then per event i (from 0), with k = 2 + 5i:
+-- then per event i (from 0), with k = 2 + 4i:
 -- KEYS[k]    its rollout's log (a stream; entry id 0-<seq>, one field "e" = the event record)
 -- KEYS[k+1]  its rollout's snapshot (a hash: seq, live, st, head, cid, job)
 -- KEYS[k+2]  the completion stream of the rollout's batch
 -- KEYS[k+3]  the rollout's batch record (a hash; its field "ttl" is the retention in seconds)
--- KEYS[k+4]  the log's staging name (exists only inside the transaction of a header, below)
 -- ARGV per event i, with a = 8i:
 -- ARGV[a+1]  seq of the event (integer >= 1); must be the snapshot's seq + 1
 -- ARGV[a+2]  fence: the attempt that must be live for this write, or "" for no fence
@@ -23,15 +22,20 @@
 --           hashes every byte of every string that enters Lua (issue 15 measured ~40 us of
 --           Redis CPU for a 13 KB chunk, ~11 for its XADD alone), so this is for the Submitted
 --           record (seq 1, whose log does not exist yet) only.
---   header: its ARGV holds "" and the record travels beside the script in the same
---           MULTI/EXEC, after this call:
---             XADD KEYS[k+4] NOMKSTREAM 0-<seq> e <record> ; RENAME KEYS[k+4] KEYS[k]
---           The script accepts the event by renaming the log to KEYS[k+4], so the XADD lands
---           in it and the RENAME puts it back. If the script refuses it, or never ran
---           (NOSCRIPT after a restart), KEYS[k+4] does not exist: NOMKSTREAM makes the XADD a
---           no-op and the RENAME fails harmlessly. No reader ever sees a refused record, and
---           the stream's last id stays the snapshot's seq, so the next writer's XADD of seq + 1
---           is never refused. The log must exist (seq >= 2).
+--   header: its ARGV holds "" and the record was written by the plain command just before
+--           this call, in the same MULTI/EXEC:
+--             XADD KEYS[k] NOMKSTREAM 0-<seq> e <record>
+--           The stream's ids do half the fencing: the log's last id is always the snapshot's
+--           seq, so the XADD of a seq already taken fails and writes nothing. The XADD of a seq
+--           after it lands, and the script undoes it when it refuses the event (a stale
+--           attempt, or a gap): XDEL, then XSETID back to the log's last entry, so the next
+--           writer of that seq is not refused by the stream. Nobody reads between the two:
+--           a transaction runs whole. The log must exist (seq >= 2).
+--           This costs one plain command per record where a gate that let the XADD through
+--           (RENAME the log aside and back) cost three, and gave ~5 us of Redis CPU per
+--           event back (bench_store). It needs the script to run whenever its XADDs do, so
+--           it is always sent by its text (EVAL), never by sha: a NOSCRIPT after a restart
+--           would otherwise let the records in unchecked.
 -- One call for many events because a script call's own cost (setup, garbage collection) was
 -- about that of the redis.call work it does for one event (perf on redis-server 7.0).
 --
@@ -55,7 +59,7 @@ local function count(field, n)
 end
 
 for i = 0, (#ARGV / 8) - 1 do
-  local k, a = 2 + 5 * i, 8 * i
+  local k, a = 2 + 4 * i, 8 * i
   local log, snapkey = KEYS[k], KEYS[k + 1]
   local seq = tonumber(ARGV[a + 1])
   local fence, record, status = ARGV[a + 2], ARGV[a + 3], ARGV[a + 6]
@@ -80,15 +84,19 @@ for i = 0, (#ARGV / 8) - 1 do
         reply = 'dup'
       end
     end
+  elseif reply and record == '' and snap[1] then
+    -- A seq after the snapshot's: the record's XADD landed (if the log exists). Nothing at
+    -- this id can be anyone else's, since the log holds no entry after the snapshot's seq.
+    -- (With no snapshot there is no rollout to protect, and no such promise to rely on.)
+    if redis.call('XDEL', log, '0-' .. ARGV[a + 1]) == 1 then
+      local top = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
+      redis.call('XSETID', log, top[1] and top[1][1] or '0-0')
+    end
   end
 
   if not reply then
     reply = 'ok'
-    if record == '' then
-      -- Open the gate first, so that an error below leaves the record out.
-      redis.call('RENAME', log, KEYS[k + 4])
-      log = KEYS[k + 4]
-    else
+    if record ~= '' then
       redis.call('XADD', log, '0-' .. ARGV[a + 1], 'e', record)
     end
     -- (The Submitted record is read from the log's entry 0-1; it is not copied here.)
@@ -111,7 +119,7 @@ for i = 0, (#ARGV / 8) - 1 do
       local ttl = tonumber(redis.call('HGET', KEYS[k + 3], 'ttl') or '0')
       if ttl > 0 then
         -- Unacknowledged results expire ttl seconds after they ended; the batch's stream
-        -- and record live as long as its last result. (RENAME keeps the log's expiry.)
+        -- and record live as long as its last result.
         redis.call('EXPIRE', log, ttl)
         redis.call('EXPIRE', snapkey, ttl)
         redis.call('EXPIRE', done, ttl)

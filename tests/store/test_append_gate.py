@@ -1,6 +1,8 @@
 """The record of an append travels beside its fencing script, never through it
 (``store/lua/append.lua``): what that split must never let through, on fakeredis and on a real
-redis-server."""
+redis-server. The record's XADD goes first and the script undoes it when it refuses the event,
+so after every transaction the log's last id must be its snapshot's seq: a record after it
+would block the next writer, and be a refused writer's bytes."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 import pytest
 
 from statemachine import RolloutState, Submitted, apply
-from store import EventStore, SequenceConflict, StaleAttempt
+from store import EventStore, SequenceConflict, StaleAttempt, scripts
 from tests import factories as f
 
 
@@ -24,8 +26,10 @@ async def log_of(store: EventStore, rid: str) -> list[Any]:
     return list(await store.redis.xrange(store.keys.log(rid)))
 
 
-async def no_staged_log(store: EventStore, rid: str) -> bool:
-    return not await store.redis.exists(store.keys.staged_log(rid))
+async def last_id_is_the_snapshots_seq(store: EventStore, rid: str) -> bool:
+    log, snap = store.keys.rollout(rid)
+    info = await store.redis.xinfo_stream(log)
+    return info["last-generated-id"] == b"0-" + await store.redis.hget(snap, "seq")
 
 
 async def test_a_refused_record_never_lands_and_never_blocks_the_next_writer(
@@ -44,7 +48,8 @@ async def test_a_refused_record_never_lands_and_never_blocks_the_next_writer(
     ahead = replace(ab, seq=ab.seq + 1)
     with pytest.raises(SequenceConflict):
         await store.append(ahead, f.resumed(ahead))
-    assert await log_of(store, "r1") == before and await no_staged_log(store, "r1")
+    assert await log_of(store, "r1") == before
+    assert await last_id_is_the_snapshots_seq(store, "r1")
     # The stream's last id is still the snapshot's seq: the legitimate writer of that seq
     # (and every one after it) is not refused by the XADD.
     s2 = await store.append(ab, f.resumed(ab))
@@ -78,26 +83,51 @@ async def test_a_stale_writers_bytes_are_never_read_under_races(store: EventStor
     loaded = await store.load("r1")
     assert loaded == await store.replay("r1") == live
     assert not stale_ids & set(loaded.token_ids.tolist())
-    assert await no_staged_log(store, "r1")
+    assert await last_id_is_the_snapshots_seq(store, "r1")
 
 
-async def test_header_steps_without_their_script_write_nothing(store: EventStore) -> None:
-    """What a transaction does when its script is missing (NOSCRIPT after a restart, before
-    the client repeats it by text): the record beside it must not land."""
+async def test_a_refused_chain_leaves_the_log_as_it_was_for_the_next_round(
+    store: EventStore,
+) -> None:
+    """Two events of one rollout in one transaction (two script calls): the first refused, so
+    the second is a gap; neither record stays, and the rollout's own next writer succeeds."""
     s = await generating(store)
-    p = store.prepare(s, f.tokens(s, n=2))
-    keys = (p.keys[3], *p.script_keys())
+    s = await store.append(s, f.tokens(s, n=1))
+    ab = await store.append(s, f.aborted(s))
+    view = replace(s, seq=ab.seq)  # the ended attempt, as current as can be but for the abort
+    first = f.tokens(view, n=2)
+    (result,) = await store.append_many([(view, [first, f.tokens(apply(view, first), n=2)])])
+    assert isinstance(result, StaleAttempt)
+    assert [e.seq for e in await store.events("r1")] == list(range(1, ab.seq + 1))
+    assert await last_id_is_the_snapshots_seq(store, "r1")
+    s2 = await store.append(ab, f.resumed(ab))
+    assert await store.load("r1") == await store.replay("r1") == s2
+
+
+async def test_the_append_script_never_meets_noscript(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its records go in ahead of it, so it must run whenever they do: it is sent by its text.
+    By sha, after a restart emptied the script cache, the XADDs would land unchecked, and stay
+    if the client died before repeating the transaction by text (as it does here)."""
+    s = await generating(store)
+    s = await store.append(s, f.tokens(s, n=1))
+    ab = await store.append(s, f.aborted(s))
     before = await log_of(store, "r1")
-    async with store.redis.pipeline(transaction=True) as pipe:
-        # EVALSHA of a script the server has never seen: NOSCRIPT, as after a restart.
-        pipe.execute_command("EVALSHA", "0" * 40, len(keys), *keys, *p.script_args())
-        for step in p.beside():
-            assert isinstance(step, tuple)
-            pipe.execute_command(*step)
-        replies = await pipe.execute(raise_on_error=False)
-    assert isinstance(replies[0], Exception) and replies[1] is None
-    assert await log_of(store, "r1") == before and await no_staged_log(store, "r1")
-    assert await store.load("r1") == await store.replay("r1") == s
+    await store.redis.script_flush()
+    first_try = scripts._transaction
+
+    async def dies_before_repeating(client: Any, steps: Any, *, by_text: bool) -> list[Any]:
+        if by_text:
+            raise ConnectionError("the client died before repeating the transaction by text")
+        return await first_try(client, steps, by_text=by_text)
+
+    monkeypatch.setattr(scripts, "_transaction", dies_before_repeating)
+    view = replace(s, seq=ab.seq)
+    with pytest.raises(StaleAttempt):
+        await store.append(view, f.tokens(view, n=3))
+    assert await log_of(store, "r1") == before
+    assert await last_id_is_the_snapshots_seq(store, "r1")
 
 
 async def test_appends_survive_an_emptied_script_cache(store: EventStore) -> None:
@@ -151,5 +181,5 @@ async def test_the_log_keeps_its_retention_through_the_terminal_append(store: Ev
     s = await store.append(s, f.finished(s))
     for key in (*store.keys.rollout("r1"), store.keys.completions("b1")):
         assert 0 < await store.redis.ttl(key) <= 100
-    assert await no_staged_log(store, "r1")
+    assert await last_id_is_the_snapshots_seq(store, "r1")
     assert await store.load("r1") == s
