@@ -280,3 +280,15 @@ def test_an_attempt_on_another_model_is_refused_and_changes_nothing() -> None:
     assert apply(s, f.resumed(s, model="")).model == "qwen3_moe:aaa"
     unknown = apply(apply(None, f.submitted("u")), f.started(apply(None, f.submitted("u"))))
     assert unknown.model == ""
+
+
+def test_evolve_is_replace() -> None:
+    # evolve is apply's fast dataclasses.replace: the same state, every field carried over,
+    # and a misspelt field refused rather than dropped.
+    s = apply(None, f.submitted("r1", max_tokens=8))
+    s = apply(s, f.started(s))
+    changes = {"seq": 9, "num_tokens": 3, "worker_id": "w9", "error": "x"}
+    assert s.evolve(**changes) == dataclasses.replace(s, **changes)
+    assert s.evolve() == s and s.evolve() is not s
+    with pytest.raises(TypeError, match="no field 'sequence'"):
+        s.evolve(sequence=3)
