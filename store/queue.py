@@ -20,7 +20,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from store import defaults
+from store import defaults, rq_serializer  # noqa: F401  (rq's serializer check, once)
 
 # The function rq records for every job. Workers never call it; it exists so that a stray
 # stock ``rq worker`` fails the job with a clear message instead of an import error.
