@@ -264,7 +264,10 @@ if __name__ == "__main__":
         default=4,
         help="concurrent batched writers, like worker processes sharing one Redis",
     )
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per side")
+    ap.add_argument(
+        "--rounds", type=int, default=9,
+        help="alternating rounds per side (a round is ~0.5 s; the machine drifts more than that)",
+    )  # fmt: skip
     ap.add_argument("--fsync", default="everysec", choices=["always", "everysec", "no"])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args()
