@@ -211,21 +211,25 @@ async def main(args: argparse.Namespace) -> dict:
         # Alternate the two sides for several rounds on the same server and compare medians:
         # this machine's speed drifts by 2x between runs, and whichever side ran first on a
         # fresh server would otherwise look better.
-        raw_times, store_times, raw_mem, store_mem = [], [], 0, 0
+        raw_times, store_times, raw_mems, store_mems = [], [], [], []
         raw_cpu, store_cpu = [], []
         for _ in range(args.rounds):
             cpu = ServerCpu(client)
+            mem0 = await used_memory(client)
             raw_times.append(await run_raw(client, data, blob_size, args.writers, cpu))
             raw_cpu.append(cpu.seconds)
-            raw_mem = await used_memory(client)
+            raw_mems.append(await used_memory(client) - mem0)
             await client.flushall()
             mem0 = await used_memory(client)
             store_times.append(await run_store_batched(store, data, max_tokens, args.writers, cpu))
             store_cpu.append(cpu.seconds)
-            store_mem = await used_memory(client) - mem0
+            store_mems.append(await used_memory(client) - mem0)
             await client.flushall()
         raw_s, store_s = statistics.median(raw_times), statistics.median(store_times)
         raw_cpu_s, store_cpu_s = statistics.median(raw_cpu), statistics.median(store_cpu)
+        # Medians too: a round's reading is off by 20-25% now and then (memory freed after
+        # a FLUSHALL returns shows up in whichever reading comes next).
+        raw_mem, store_mem = statistics.median(raw_mems), statistics.median(store_mems)
 
         conc_s = await run_store_concurrent(store, data, max_tokens)
         await client.aclose()
