@@ -65,10 +65,20 @@ resolved once, the stuck-dequeue sweep is pipelined, and the stepper's rows grow
 token data (~25 MB per doubling at 256 rows with 48x8 routes), and a transaction's QUEUED
 replies are read under one deadline (redis-py opened an asyncio timeout per reply: 6.9 -> 1.2-1.9
 us of client CPU per queued command). Added CPU per token: 9.8 -> 3.9-5.8 at 256 in flight
-(median of ten runs 4.5) and 3.8-4.4 at 1,024; 177k-274k tokens/s through the worker. The rest
-is per token: the checkpoint appends (encoding, the transition, the Lua call's packing) and the
-stepper's scatter of each step into rows, with rq's start and success bookkeeping (~0.5 us per
-token) on its thread.
+(median of ten runs 4.5) and 3.8-4.4 at 1,024; 177k-274k tokens/s through the worker.
+
+Then (py-spy --gil, same run, shares of the worker's samples): the stepper 24% (scattering steps
+into rows 4%, cutting rows into checkpoint events 18%), the checkpoint appends 20% (the store's
+prepare 13%, of which encoding 6% and the transition 3%; the transaction 7%), rq's bookkeeping
+on its thread 20% (successes 9%, starts 6%), the runner's per-rollout path 13%, socket reads
+5%. Since: records are checksummed with zlib-ng's CRC-32 (zlib's values at ~15x the speed) and
+packed without a conversion call, which halves a chunk's encoding; a record's XADD goes ahead of
+the script instead of through a RENAME gate (one command per record instead of three); rq's
+serializer check is answered once per serializer instead of five times per job (~13 us each).
+Added CPU per token 3.6 at 256 in flight in a full run, 4.3-4.8 in side runs. Per rollout a
+worker still spends ~1 ms of CPU (16-token rollouts, 64 in flight): rq's bookkeeping on its
+thread is ~40% of it, half of that redis-py's own pipeline code (~70 us per job for the 15
+commands of a success, ~37 us packed by hiredis and read raw, measured alone).
 """
 
 from __future__ import annotations
