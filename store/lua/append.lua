@@ -31,9 +31,9 @@
 --           attempt, or a gap): XDEL, then XSETID back to the log's last entry, so the next
 --           writer of that seq is not refused by the stream. Nobody reads between the two:
 --           a transaction runs whole. The log must exist (seq >= 2).
---           This costs one plain command per record where a gate that let the XADD through
---           (RENAME the log aside and back) cost three, and gave ~5 us of Redis CPU per
---           event back (bench_store). It needs the script to run whenever its XADDs do, so
+--           That is one command per record where a gate that let the XADD through took
+--           three (RENAME the log aside in the script, XADD, RENAME it back), and gave ~5 us
+--           of Redis CPU per event back (bench_store). It needs the script to run whenever its XADDs do, so
 --           it is always sent by its text (EVAL), never by sha: a NOSCRIPT after a restart
 --           would otherwise let the records in unchecked.
 -- One call for many events because a script call's own cost (setup, garbage collection) was
