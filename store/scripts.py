@@ -52,14 +52,14 @@ class Script:
             self.text = "\n".join(x for x in lines if x.strip() and not x.lstrip().startswith("--"))
         self.sha = hashlib.sha1(self.text.encode()).hexdigest()
 
+    def invocation(self, *, by_text: bool = False) -> tuple[str, str]:
+        """The command and its first argument: by sha, or by text when asked or always."""
+        return ("EVAL", self.text) if by_text or self.by_text else ("EVALSHA", self.sha)
+
     async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[Arg]) -> Any:
-        if self.by_text:
-            return await client.execute_command(  # type: ignore[no-untyped-call]
-                "EVAL", self.text, len(keys), *keys, *args
-            )
         try:
             return await client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", self.sha, len(keys), *keys, *args
+                *self.invocation(), len(keys), *keys, *args
             )
         except NoScriptError:
             # The server has not seen it yet (or restarted): run it by its text, which also
@@ -91,8 +91,7 @@ class Script:
         *,
         by_text: bool = False,
     ) -> list[Any]:
-        by = by_text or self.by_text
-        command, body = ("EVAL", self.text) if by else ("EVALSHA", self.sha)
+        command, body = self.invocation(by_text=by_text)
         async with client.pipeline(transaction=False) as pipe:
             for keys, args in calls:
                 pipe.execute_command(command, body, len(keys), *keys, *args)
@@ -140,9 +139,7 @@ async def _transaction(client: Redis, steps: Sequence[Step], *, by_text: bool) -
     for step in steps:
         if isinstance(step, Call):
             script = step.script
-            by = by_text or script.by_text
-            command, body = ("EVAL", script.text) if by else ("EVALSHA", script.sha)
-            step = (command, body, len(step.keys), *step.keys, *step.args)
+            step = (*script.invocation(by_text=by_text), len(step.keys), *step.keys, *step.args)
         packed.append(hiredis.pack_command(step))  # type: ignore[arg-type]
     packed.append(_EXEC)
     pool = client.connection_pool
@@ -207,7 +204,7 @@ def run_sync(client: SyncRedis, script: Script, keys: Sequence[str], args: Seque
     """``Script.__call__`` for a synchronous client (the trainer's submit path runs beside rq,
     which is synchronous)."""
     try:
-        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+        return client.execute_command(*script.invocation(), len(keys), *keys, *args)  # type: ignore[no-untyped-call]
     except NoScriptError:
         # EVAL, not SCRIPT LOAD then EVALSHA: a server restarting in between (its script cache
         # is not persisted) would refuse the EVALSHA again. EVAL caches it as well.
@@ -289,7 +286,7 @@ class _Window:
         self.replies.append(None)
         self.sent.append(len(self.calls) - 1)  # before sending: a send that fails goes again
         keys, args = call
-        command = ("EVALSHA", self.script.sha, len(keys), *keys, *args)
+        command = (*self.script.invocation(), len(keys), *keys, *args)
         self.conn.send_packed_command([hiredis.pack_command(command)])  # type: ignore[arg-type]
 
     def read_next(self) -> None:
