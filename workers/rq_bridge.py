@@ -79,6 +79,10 @@ class TakenJob:
     # that bookkeeping must not touch the job again (its HSET would recreate a job that an
     # acknowledgement deleted in between, as a bare hash with no TTL).
     ended: bool = False
+    # Set on the bookkeeping thread once rq lists the job as started by this worker: a
+    # heartbeat before that (``dequeue_many(await_start=False)``) would beat an execution rq
+    # does not have yet.
+    started: bool = False
 
 
 def job_problem(job: Job) -> tuple[str, str | None]:
@@ -152,32 +156,56 @@ class RqBridge:
 
         await self._books(birth)
 
-    async def dequeue_many(self, timeout: int, limit: int) -> list[TakenJob]:
-        """Block (in a thread) up to ``timeout`` s for a job, then take up to ``limit`` - 1
-        more that are already queued (this worker's share of them, beside the other workers
-        on the queue), without waiting; mark them all started as ours in one round trip.
-        Empty if none came.
+    async def dequeue_many(
+        self, timeout: int, limit: int, *, await_start: bool = True
+    ) -> list[TakenJob]:
+        """Block (in a thread) up to ``timeout`` s for a job, or take up to ``limit`` that are
+        already queued (this worker's share of them, beside the other workers on the queue),
+        and mark them all started as ours in one round trip. Empty if none came.
 
         Why several at once: each call costs two hops between the event loop and a thread,
         and a thread waits for the GIL up to the interpreter's switch interval (5 ms) after
         each reply while the loop is busy with the engine's steps. One job per call took a
         worker ~20 ms per rollout, measured, so at 256 rollouts in flight it never had more
         than ~14 running (bench/bench_overhead.py's gpu_cadence).
+
+        ``await_start=False`` returns before rq has the start: its transaction goes to the
+        bookkeeping thread, ahead of anything else done there for these jobs (heartbeats,
+        their ends), and the jobs' rollouts may start meanwhile. The worker takes jobs that
+        way: the start is ~4 ms on that thread (more when it waits behind a batch of
+        successes), during which a freed engine slot stood empty. Should it fail (Redis gone
+        for longer than the retries), rq never lists the jobs as started; they stay in its
+        intermediate list and are swept back (``_requeue_stuck_dequeues``), and a rollout that
+        ended meanwhile ends its next job at once.
         """
         loop = asyncio.get_running_loop()
         take = functools.partial(self._take, timeout, limit)
         found = await loop.run_in_executor(self._dequeue_thread, take)
         if not found:
             return []
-        taken = await self._books(self._start, found)
+        taken, pipe = self._prepare_start(found)
+        if await_start:
+            await self._books(self._start, taken, pipe)
         for running in taken:
             running.rollout_id, running.problem = job_problem(running.job)
             self.running[running.execution.id] = running
+        if not await_start:
+            self._books_thread.submit(self._start_or_forget, taken, pipe)
         return taken
 
     def _take(self, timeout: int, limit: int) -> list[tuple[Job, Queue]]:
-        """On the dequeue thread: the first job (waiting up to ``timeout`` s), and up to
-        ``limit`` - 1 more already queued."""
+        """On the dequeue thread: up to ``limit`` jobs already queued (this worker's share of
+        them); if there are none, the first to come (waiting up to ``timeout`` s) and up to
+        ``limit`` - 1 more queued by then."""
+        if len(self.queues) == 1:
+            # Jobs waiting (a step's groups, or a slot freed while the queue is long): three
+            # round trips for all of them, where a blocking pop first took five. Each is a
+            # thread hop with its GIL wait, and the pop an fsync under AOF ``always``, while
+            # the freed slot waits (bench_vllm: ~2 ms of ~12 between a rollout's end and the
+            # next one's start).
+            queued = self._more(limit)
+            if queued:
+                return queued
         first = self._one(timeout)
         if first is None:
             return []
@@ -231,32 +259,54 @@ class RqBridge:
         # A job whose hash is gone is skipped, as rq's dequeue does.
         return [(job, queue) for job in jobs if job is not None]
 
-    def _start(self, found: list[tuple[Job, Queue]]) -> list[TakenJob]:
-        """On the books thread: rq's prepare_execution and prepare_job_execution for every
-        job, the same commands in one round trip instead of two per job."""
+    def _prepare_start(self, found: list[tuple[Job, Queue]]) -> tuple[list[TakenJob], Pipeline]:
+        """rq's prepare_execution and prepare_job_execution for every job, the same commands
+        in one transaction instead of two round trips per job; queued, not sent. Touches only
+        the jobs (the worker object's share is ``_start``'s, on the bookkeeping thread)."""
         w = self.worker
         taken = []
-        with self.connection.pipeline() as pipe:
-            for job, queue in found:
-                ttl = w.get_heartbeat_ttl(job)
-                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=w.name)
-                job.heartbeat(now(), ttl, pipeline=pipe)
-                job.prepare_for_execution(w.name, pipeline=pipe)
-                pipe.persist(job.key)
-                if len(self.queues) == 1:
-                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-                # A sweep that caught the job between the pop and this start marked it
-                # (``_requeue_stuck_dequeues``); started, it is not stuck: the mark would
-                # otherwise stay for rq's 24 h.
-                pipe.delete(IntermediateQueue(queue.key, connection=self.connection)
-                            .get_first_seen_key(job.id))  # fmt: skip
-                taken.append(TakenJob(job, queue, execution))
+        pipe = self.connection.pipeline()
+        for job, queue in found:
+            ttl = w.get_heartbeat_ttl(job)
+            execution = Execution.create(job, ttl, pipeline=pipe, worker_name=w.name)
+            job.heartbeat(now(), ttl, pipeline=pipe)
+            job.prepare_for_execution(w.name, pipeline=pipe)
+            pipe.persist(job.key)
+            if len(self.queues) == 1:
+                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            # A sweep that caught the job between the pop and this start marked it
+            # (``_requeue_stuck_dequeues``); started, it is not stuck: the mark would
+            # otherwise stay for rq's 24 h.
+            pipe.delete(IntermediateQueue(queue.key, connection=self.connection)
+                        .get_first_seen_key(job.id))  # fmt: skip
+            taken.append(TakenJob(job, queue, execution))
+        return taken, pipe
+
+    def _start(self, taken: list[TakenJob], pipe: Pipeline) -> list[TakenJob]:
+        """On the books thread: the worker's state and heartbeat, and the transaction sent."""
+        w = self.worker
+        with pipe:
             w.set_state(WorkerStatus.BUSY, pipeline=pipe)
-            w.heartbeat(w.get_heartbeat_ttl(found[-1][0]), pipeline=pipe)
+            w.heartbeat(w.get_heartbeat_ttl(taken[-1].job), pipeline=pipe)
             pipe.execute()
         for t in taken:
             w.executions[t.execution.id] = t.execution
+            t.started = True
         return taken
+
+    def _start_or_forget(self, taken: list[TakenJob], pipe: Pipeline) -> None:
+        """``_start`` for jobs already running (``dequeue_many(await_start=False)``); if it
+        fails, they are not heartbeated nor ended as ours: rq never listed them."""
+        try:
+            self._start(taken, pipe)
+        except Exception:
+            log.warning(
+                "rq could not record the start of %d jobs; they will be swept back to the "
+                "queue and run again (their rollouts are fenced)", len(taken), exc_info=True,
+            )  # fmt: skip
+            for t in taken:
+                t.ended = True
+                self.running.pop(t.execution.id, None)
 
     async def heartbeat(self) -> None:
         def beat() -> None:
@@ -264,7 +314,7 @@ class RqBridge:
             with self.connection.pipeline() as pipe:
                 self.worker.heartbeat(ttl * 2, pipeline=pipe)
                 for r in list(self.running.values()):
-                    if r.ended:
+                    if r.ended or not r.started:
                         continue
                     r.execution.heartbeat(r.queue.started_job_registry, ttl, pipeline=pipe)
                     r.job.heartbeat(now(), ttl, pipeline=pipe)

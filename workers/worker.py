@@ -242,7 +242,9 @@ class Worker:
                 free += 1
             await self.admitting.wait()  # no new work while weights are swapped
             try:
-                taken = await rq.dequeue_many(self.config.dequeue_timeout_s, free)
+                taken = await rq.dequeue_many(
+                    self.config.dequeue_timeout_s, free, await_start=False
+                )
             except Exception:
                 # Redis unreachable for longer than the client's own retries: keep the process
                 # (and its engine) alive, the rollouts in flight keep buffering; try again.

@@ -17,8 +17,6 @@ import signal
 import sys
 from typing import Any
 
-from rq import Queue
-
 from store.leases import Leases
 from workers.engines.synthetic import SyntheticEngine
 from workers.rq_bridge import RqBridge
@@ -35,7 +33,7 @@ def _after(cls: Any, name: str, *, sync: bool = False) -> None:
 
         def dying(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            if result is not None:
+            if result:  # something was taken
                 _die()
             return result
 
@@ -59,10 +57,9 @@ def _before(cls: Any, name: str) -> None:
 
 def main(url: str, step: str) -> None:
     if step == "dequeued":
-        _after(Queue, "dequeue_any", sync=True)  # classmethod: patched on the class
-        Queue.dequeue_any = staticmethod(Queue.dequeue_any)  # type: ignore[method-assign]
+        _after(RqBridge, "_take", sync=True)  # on the dequeue thread: LMOVE and fetch only
     elif step == "started":
-        _after(RqBridge, "dequeue_many")
+        _after(RqBridge, "_start", sync=True)  # on the books thread, once rq has it
     elif step == "leased":
         _after(Leases, "take_many")  # the runner takes leases through it (coalesced)
     elif step == "aborted":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from redis import Redis
@@ -94,24 +95,22 @@ async def test_the_blocking_wait_still_ends_on_the_first_job(
 async def test_a_worker_with_free_slots_takes_queued_jobs_in_few_dequeues(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """64 queued rollouts and 64 slots: a handful of rq dequeues, not one per job (each one
-    costs the worker its thread hops; see the module docstring). Counted at rq's own
-    ``Queue.dequeue_any``, which every way of taking a job goes through first."""
-    from rq import Queue
-
+    """64 queued rollouts and 64 slots: a handful of dequeues, not one per job (each one
+    costs the worker its thread hops; see the module docstring). Counted at the dequeue
+    thread's ``RqBridge._take``, which every way of taking jobs goes through."""
     from workers.engines.synthetic import SyntheticEngine
     from workers.worker import Worker, WorkerConfig
 
     ids = await _submit(server, 64)
     got: list[bool] = []
-    real = Queue.dequeue_any.__func__  # type: ignore[attr-defined]
+    real = RqBridge._take
 
-    def counted(cls: type[Queue], *args: object, **kwargs: object) -> object:
-        found = real(cls, *args, **kwargs)
-        got.append(found is not None)
+    def counted(self: RqBridge, *args: Any, **kwargs: Any) -> Any:
+        found = real(self, *args, **kwargs)
+        got.append(bool(found))
         return found
 
-    monkeypatch.setattr(Queue, "dequeue_any", classmethod(counted))
+    monkeypatch.setattr(RqBridge, "_take", counted)
     engine = SyntheticEngine(tokens_per_chunk=1, token_delay_s=0.01)  # 4 tokens: ~40 ms
     config = WorkerConfig(redis_url=server.url, burst=True, max_concurrency=64)
     await Worker(config, engine).run()
@@ -127,8 +126,8 @@ async def test_a_worker_with_free_slots_takes_queued_jobs_in_few_dequeues(
 async def test_beside_another_worker_on_the_queue_a_worker_takes_its_share(
     server: RedisServer,
 ) -> None:
-    """Two workers on one queue, 21 jobs: the first to wake takes 1 + half of the 20 left,
-    not all of them (it would run a short queue alone while the other idles)."""
+    """Two workers on one queue, 21 jobs: the first to wake takes its half of them, rounded
+    up, not all of them (it would run a short queue alone while the other idles)."""
     await _submit(server, 21)
     one = RqBridge(server.url, ["rollouts"], "w1")
     two = RqBridge(server.url, ["rollouts"], "w2")
@@ -138,7 +137,49 @@ async def test_beside_another_worker_on_the_queue_a_worker_takes_its_share(
         first = await one.dequeue_many(1, 100)
         assert len(first) == 11
         second = await two.dequeue_many(1, 100)
-        assert len(second) == 6  # 1 + half of the 9 left, rounded up
+        assert len(second) == 5  # half of the 10 left
     finally:
         await one.close()
         await two.close()
+
+
+async def test_jobs_taken_without_awaiting_their_start_are_started_before_anything_else(
+    server: RedisServer, sync: Redis, bridge: RqBridge
+) -> None:
+    """``await_start=False`` (the worker's way): the jobs come back at once; rq's start is the
+    bookkeeping thread's next call, so a heartbeat or an end queued after it finds them
+    started, and nothing beats an execution before rq has it."""
+    await _submit(server, 3)
+    taken = await bridge.dequeue_many(1, 3, await_start=False)
+    assert len(taken) == 3 and all(t.execution.id in bridge.running for t in taken)
+    await bridge.heartbeat()  # queued behind the start: beats the started executions
+    started = set(taken[0].queue.started_job_registry.get_job_ids())
+    for t in taken:
+        assert t.started and not t.ended
+        t.job.refresh()
+        assert t.job.get_status() == JobStatus.STARTED and t.job.id in started
+    assert sync.llen(taken[0].queue.intermediate_queue_key) == 0
+
+
+async def test_a_start_that_fails_leaves_the_jobs_to_the_sweep_and_not_ours(
+    server: RedisServer, sync: Redis, bridge: RqBridge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis gone for rq's start: the jobs are not heartbeated nor ended as this worker's
+    (rq never listed them), and they stay in rq's intermediate list, where the stuck-dequeue
+    sweep finds them and gives them back."""
+    await _submit(server, 2)
+
+    def gone(*_: object) -> None:
+        raise ConnectionError("redis went away")
+
+    monkeypatch.setattr(bridge, "_start", gone)
+    taken = await bridge.dequeue_many(1, 2, await_start=False)
+    assert len(taken) == 2
+    await bridge.heartbeat()  # after the failed start, on the same thread
+    for t in taken:
+        assert t.ended and not t.started and t.execution.id not in bridge.running
+        t.job.refresh()
+        assert t.job.get_status() == JobStatus.QUEUED  # rq never saw it start
+    queue = taken[0].queue
+    assert sync.zcard(queue.started_job_registry.key) == 0  # no heartbeat created an entry
+    assert sync.llen(queue.intermediate_queue_key) == 2  # the sweep's to give back
