@@ -19,6 +19,8 @@ import asyncio
 import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -184,6 +186,10 @@ class Comparison:
     # read back: the worker's process (with the engine's front end), beside the engine alone.
     worker_cpu: list[float] = field(default_factory=list)
     alone_cpu: list[float] = field(default_factory=list)
+    # The engine alone beside a ``Burner`` taking the CPU the durable side added (this process
+    # and Redis), and that share of one core, per round (``compare(cpu_matched=True)``).
+    matched_s: list[float] = field(default_factory=list)
+    added_share: list[float] = field(default_factory=list)
 
     def figures(self, tokens: int) -> dict[str, Any]:
         pairs = [d / w for d, w in zip(self.direct_s, self.durable_s, strict=True)]
@@ -214,6 +220,17 @@ class Comparison:
             out["worker_cpu_us_per_token_direct"] = round(alone, 2)
             out["worker_cpu_us_per_token_durable"] = round(worker, 2)
             out["worker_added_cpu_us_per_token"] = round(worker - alone, 2)
+        if self.matched_s:
+            matched = [d / m for d, m in zip(self.direct_s, self.matched_s, strict=True)]
+            beyond = [m / w for m, w in zip(self.matched_s, self.durable_s, strict=True)]
+            out["cpu_added_share_of_a_core"] = round(statistics.median(self.added_share), 4)
+            out["cpu_matched_ratio_each"] = [round(x, 3) for x in matched]
+            # What the engine alone keeps of its throughput beside a process that takes the
+            # CPU the durable side added: the share of the gap that is this machine's CPU.
+            out["cpu_matched_ratio"] = round(statistics.median(matched), 4)
+            # The durable side beside that engine alone, in the same rounds: the rest.
+            out["ratio_beyond_cpu_each"] = [round(x, 3) for x in beyond]
+            out["ratio_beyond_cpu"] = round(statistics.median(beyond), 4)
         if self.direct_busy:
             out["core_busy_direct"] = round(statistics.median(self.direct_busy), 4)
             out["core_busy_durable"] = round(statistics.median(self.durable_busy), 4)
@@ -229,43 +246,49 @@ async def compare(
     rounds: int,
     *,
     stepped: bool | None = None,
+    cpu_matched: bool = False,
+    redis_pid: int | None = None,
 ) -> Comparison:
     """`rounds` pairs of (direct, durable) on one engine; durable tokens must equal direct's.
-    ``stepped``: how the worker consumes the engine (``WorkerConfig.stepped``)."""
+    ``stepped``: how the worker consumes the engine (``WorkerConfig.stepped``).
+
+    ``cpu_matched``: each round also runs the engine alone beside a ``Burner`` that keeps busy
+    the share of one core the durable side added in the rounds so far (this process's CPU
+    beyond the direct side's, plus Redis's, from ``redis_pid``). On a machine whose cores the
+    engine already fills, that CPU slows the engine whoever spends it; what the engine alone
+    loses beside the burner is that part of the gap (``cpu_matched_ratio``)."""
     queue = "side-by-side"
     worker = Worker(
         WorkerConfig(redis_url=url, queues=(queue,), max_concurrency=concurrency, stepped=stepped),
         engine,
     )
-    stats = worker.stats
     running = asyncio.create_task(worker.run())
     client = RolloutClient(url, queue_name=queue)
     cpu = _core_cpu(engine)
+    redis_cpu = _pid_cpu(redis_pid)
     result = Comparison()
     try:
         for r in range(rounds):
             order = ("direct", "durable") if r % 4 in (0, 3) else ("durable", "direct")
+            if cpu_matched:
+                # Beside the durable side, on the direct side's other flank: round 0 measures
+                # the share it then matches.
+                order = (*order, "matched") if order[0] == "direct" else ("matched", *order)
             for side in order:
                 c0 = cpu() if cpu else 0.0
                 p0 = _process_cpu()
+                if side == "matched":
+                    with Burner(statistics.median(result.added_share)):
+                        seconds, _ = await direct(engine, reqs, concurrency)
+                    result.matched_s.append(seconds)
+                    continue
                 if side == "direct":
                     seconds, ref = await direct(engine, reqs, concurrency)
                     result.direct_cpu.append(_process_cpu() - p0)
                     result.alone_cpu.append(result.direct_cpu[-1])
                 else:
-                    before = stats.checkpoints
-                    trips = worker.checkpointer.round_trips if worker.checkpointer else 0
-                    t0 = time.time()
-                    ids = await client.submit(reqs)
-                    w0 = _process_cpu()
-                    await _until_ended(stats, sum(stats.ended.values()) + len(reqs))
-                    result.worker_cpu.append(_process_cpu() - w0)  # no reading back yet
-                    got = [r.response_token_ids for r in await client.wait(ids)]
+                    seconds, got = await _durable_side(worker, client, reqs, result, redis_cpu)
                     result.durable_cpu.append(_process_cpu() - p0)  # the client's reads too
-                    seconds = await _last_finish(client, ids) - t0
-                    result.checkpoints.append(stats.checkpoints - before)
-                    assert worker.checkpointer is not None
-                    result.round_trips.append(worker.checkpointer.round_trips - trips)
                 (result.direct_s if side == "direct" else result.durable_s).append(seconds)
                 if cpu:
                     busy = (cpu() - c0) / seconds
@@ -279,6 +302,61 @@ async def compare(
             await running
         await client.aclose()
     return result
+
+
+async def _durable_side(
+    worker: Worker,
+    client: RolloutClient,
+    reqs: list[RolloutRequest],
+    result: Comparison,
+    redis_cpu: Callable[[], float] | None,
+) -> tuple[float, list[np.ndarray]]:
+    """One durable side of ``compare``: (seconds from submit to the last Finished, tokens)."""
+    stats, checkpointer = worker.stats, worker.checkpointer
+    assert checkpointer is not None
+    before, trips = stats.checkpoints, checkpointer.round_trips
+    t0 = time.time()
+    r0 = redis_cpu() if redis_cpu else 0.0
+    ids = await client.submit(reqs)
+    w0 = _process_cpu()
+    await _until_ended(stats, sum(stats.ended.values()) + len(reqs))
+    result.worker_cpu.append(_process_cpu() - w0)  # no reading back yet
+    redis_s = (redis_cpu() if redis_cpu else 0.0) - r0
+    got = [r.response_token_ids for r in await client.wait(ids)]
+    seconds = await _last_finish(client, ids) - t0
+    if result.alone_cpu:
+        added = result.worker_cpu[-1] - statistics.median(result.alone_cpu)
+        result.added_share.append(max(0.0, added + redis_s) / seconds)
+    result.checkpoints.append(stats.checkpoints - before)
+    result.round_trips.append(checkpointer.round_trips - trips)
+    return seconds, got
+
+
+class Burner:
+    """A process that keeps ``share`` of one core busy, in slices of a few ms, while in use."""
+
+    _CODE = (
+        "import sys, time\n"
+        "share, period = float(sys.argv[1]), 0.01\n"
+        "while True:\n"
+        "    t = time.perf_counter()\n"
+        "    while time.perf_counter() - t < share * period:\n"
+        "        pass\n"
+        "    time.sleep(period * (1 - share))\n"
+    )
+
+    def __init__(self, share: float) -> None:
+        self.share = min(max(share, 0.0), 1.0)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Burner:
+        self._proc = subprocess.Popen([sys.executable, "-c", self._CODE, str(self.share)])
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
 
 
 async def _until_ended(stats: Stats, ended: int) -> None:

@@ -1,0 +1,49 @@
+"""``bench/side_by_side.py``'s CPU-matched side: the burner takes the share it is given, and
+``compare(cpu_matched=True)`` reports what the engine alone keeps beside it."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from store.redis_server import RedisServer
+from workers.engines.synthetic import SyntheticEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from side_by_side import Burner, _pid_cpu, compare, requests
+
+pytestmark = pytest.mark.redis_server
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path / "redis") as s:
+        yield s
+
+
+def test_the_burner_keeps_its_share_of_a_core_busy() -> None:
+    with Burner(0.3) as burner:
+        assert burner._proc is not None
+        cpu = _pid_cpu(burner._proc.pid)
+        assert cpu is not None
+        time.sleep(0.3)  # the interpreter's start
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(1.0)
+        share = (cpu() - c0) / (time.monotonic() - t0)
+    assert 0.15 < share < 0.5, share  # 0.3, give or take a busy machine's scheduling
+    assert burner._proc.poll() is not None  # gone once the side is over
+
+
+async def test_compare_reports_the_cpu_matched_side(server: RedisServer) -> None:
+    engine = SyntheticEngine(tokens_per_chunk=1, token_delay_s=0.001)
+    pid = server.proc.pid if server.proc else None
+    side = await compare(engine, server.url, requests(8, 16), 4, 2, cpu_matched=True, redis_pid=pid)
+    figures = side.figures(8 * 16)
+    assert len(side.matched_s) == len(side.durable_s) == 2
+    assert 0.0 < figures["cpu_added_share_of_a_core"] < 1.0
+    assert figures["cpu_matched_ratio"] > 0 and figures["ratio_beyond_cpu"] > 0
+    assert len(figures["ratio_beyond_cpu_each"]) == 2
