@@ -231,7 +231,7 @@ class Comparison:
             # The durable side beside that engine alone, in the same rounds: the rest.
             out["ratio_beyond_cpu_each"] = [round(x, 3) for x in beyond]
             out["ratio_beyond_cpu"] = round(statistics.median(beyond), 4)
-        if self.direct_busy:
+        if self.direct_busy and statistics.median(self.direct_busy) > 0:
             out["core_busy_direct"] = round(statistics.median(self.direct_busy), 4)
             out["core_busy_durable"] = round(statistics.median(self.durable_busy), 4)
             out["core_busy_ratio"] = round(out["core_busy_durable"] / out["core_busy_direct"], 4)

@@ -43,17 +43,6 @@ from workers.stepper import Stepper, Track
 log = logging.getLogger("rollouts.runner")
 
 
-def _request(state: RolloutState, attempt: int) -> EngineRequest:
-    """The engine request of the rollout's attempt ``attempt``: its prompt and saved tokens,
-    and what is left of its budget."""
-    return EngineRequest(
-        request_id=f"{state.rollout_id}#{attempt}",
-        prompt_token_ids=state.resume_prompt(),
-        sampling=state.resume_sampling(),
-        resumed_tokens=state.num_tokens,
-    )
-
-
 def _wrong_model(recorded: str, ours: str) -> str:
     return f"earlier attempts ran model {recorded!r}; this worker runs {ours!r}"
 
@@ -245,17 +234,15 @@ class RolloutRunner:
             return RunResult(Outcome.WRONG_MODEL, state, _wrong_model(state.model, self.model_id))
         if state.too_stale(self.engine.weight_version):
             return await self._cancel_stale(state)
-        if self.leases is not None and state.status in LIVE:
-            expiry = await self.leases.expiry(rollout_id)
-            if expiry is not None and expiry > now_ms():
-                # A live worker is generating it (rq delivered the job twice): leave it be.
-                return RunResult(Outcome.DUPLICATE, state)
-        early = self._early_request(state)
-        if early is not None:
-            return await self._generate_while_opening(state, attempt, early)
-        # Lease first, attempt second: a crash in between leaves a lease the reaper turns
-        # into a re-enqueue, never a live attempt nobody watches.
-        await self._lease(rollout_id)
+        if self.leases is not None:
+            if state.status in LIVE:
+                expiry = await self.leases.expiry(rollout_id)
+                if expiry is not None and expiry > now_ms():
+                    # A live worker is generating it (rq delivered the job twice): leave it be.
+                    return RunResult(Outcome.DUPLICATE, state)
+            # Lease first, attempt second: a crash in between leaves a lease the reaper turns
+            # into a re-enqueue, never a live attempt nobody watches.
+            await self._take(rollout_id)
         try:
             if state.status in LIVE:
                 spent = await self._worker_lost_budget_spent(state)
@@ -279,59 +266,6 @@ class RolloutRunner:
         except AppendRefused:
             # Fenced out: our attempt is no longer the live one. Someone else owns it now.
             return RunResult(Outcome.LOST, await self.store.load(rollout_id))
-
-    async def _lease(self, rollout_id: str) -> None:
-        if self.leases is not None:
-            await self._take(rollout_id)
-
-    def _early_request(self, state: RolloutState) -> EngineRequest | None:
-        """The engine request of an attempt that may start generating while it is opened
-        (its lease and ``Started``/``Resumed`` still in flight), or None. Only through the
-        stepper, which holds the tokens unsaved until the attempt is open; only for a rollout
-        that is not live (a takeover records an abort and checks budgets first) and a request
-        the engine takes as it is (otherwise ``_generate`` records why, after the begin)."""
-        if self.stepper is None or state.status in LIVE:
-            return None
-        limits = self.engine.limits
-        if state.remaining_tokens == 0 or context_full(state, limits):
-            return None
-        request = _request(state, state.attempt + 1)
-        try:
-            check_request(request, limits, context_name="context_length")
-        except RequestRejected:
-            return None
-        return fit_to_context(request, limits)
-
-    async def _generate_while_opening(
-        self, state: RolloutState, attempt: _Attempt, request: EngineRequest
-    ) -> RunResult:
-        """``_generate`` on an attempt whose lease and begin are in flight: a slot freed by a
-        finished rollout is generating again one engine step after the next job's load,
-        instead of after two more round trips (three with the dequeue's fsyncs under AOF
-        ``always``; bench_vllm lost ~3% of its throughput to them at 128-token rollouts).
-        Nothing of it is saved before the attempt is open: the stepper's first checkpoint of
-        it waits for the begin, and a refused begin aborts the request with its tokens."""
-        assert self.stepper is not None
-        version = self.engine.weight_version
-
-        async def open_attempt() -> RolloutState:
-            await self._lease(state.rollout_id)
-            return await self._begin(state, weight_version=version)
-
-        opening = asyncio.create_task(open_attempt())
-        attempt.request_id = request.request_id
-        try:
-            return await self._generate_stepped(
-                state, attempt, request, self.stepper, opening=opening
-            )
-        except ModelMismatch:
-            # As in ``_run``: another attempt began on a different model since the load.
-            state = await self.store.load(state.rollout_id)
-            return RunResult(Outcome.WRONG_MODEL, state, _wrong_model(state.model, self.model_id))
-        except AppendRefused:
-            return RunResult(Outcome.LOST, await self.store.load(state.rollout_id))
-        finally:
-            opening.cancel()  # done by now unless the run is being cancelled
 
     async def _worker_lost_budget_spent(self, state: RolloutState) -> RunResult | None:
         """A takeover is a lost worker too: if this one spends the rollout's worker-lost budget,
@@ -374,13 +308,11 @@ class RolloutRunner:
         )  # fmt: skip
         return RunResult(Outcome.FINISHED, done)
 
-    async def _begin(
-        self, state: RolloutState, *, weight_version: int | None = None
-    ) -> RolloutState:
+    async def _begin(self, state: RolloutState) -> RolloutState:
         events = commands.begin(
             state,
             worker_id=self.worker_id,
-            weight_version=self.engine.weight_version if weight_version is None else weight_version,
+            weight_version=self.engine.weight_version,
             weight_mode=self.weight_mode,
             model=self.model_id,
         )
@@ -423,7 +355,12 @@ class RolloutRunner:
 
     async def _generate(self, state: RolloutState, attempt: _Attempt) -> RunResult:
         rid = state.rollout_id
-        request = _request(state, state.attempt)
+        request = EngineRequest(
+            request_id=f"{rid}#{state.attempt}",
+            prompt_token_ids=state.resume_prompt(),
+            sampling=state.resume_sampling(),
+            resumed_tokens=state.num_tokens,
+        )
         limits = self.engine.limits
         try:
             # Checked here, not only by the engine: every engine is held to the same rules, and
@@ -474,20 +411,13 @@ class RolloutRunner:
         return RunResult(Outcome.FINISHED, done)
 
     async def _generate_stepped(
-        self,
-        state: RolloutState,
-        attempt: _Attempt,
-        request: EngineRequest,
-        stepper: Stepper,
-        *,
-        opening: asyncio.Future[RolloutState] | None = None,
+        self, state: RolloutState, attempt: _Attempt, request: EngineRequest, stepper: Stepper
     ) -> RunResult:
         """``_generate`` on the worker's stepper: the stepper buffers and checkpoints this
-        rollout's tokens with every other's; this task wakes only when its stream ends.
-        ``opening``: the attempt's begin, in flight (``_generate_while_opening``)."""
+        rollout's tokens with every other's; this task wakes only when its stream ends."""
         track: Track | None = None
         try:
-            track = await stepper.open(state, request, opening=opening)
+            track = await stepper.open(state, request)
             if attempt.stop is not None:
                 # stop() came while the attempt was being opened, before there was a request.
                 await stepper.abort(request.request_id)

@@ -174,30 +174,14 @@ class Stepper:
         self._pending: list[tuple[Track, tuple[RolloutState, list[Event]]]] = []
         self._timer: asyncio.TimerHandle | None = None
 
-    async def open(
-        self,
-        state: RolloutState,
-        request: EngineRequest,
-        *,
-        opening: asyncio.Future[RolloutState] | None = None,
-    ) -> Track:
+    async def open(self, state: RolloutState, request: EngineRequest) -> Track:
         """Start the request on the engine. Never raises an engine's error: that ends the
-        track (``Track.ended``), as it would end a ``generate`` stream.
-
-        ``opening``: the attempt's begin, still in flight; ``state`` is the state before it.
-        Until it is saved the track is held as if a checkpoint were in flight (its tokens
-        wait in its row); its refusal ends the track with that error, as a refused
-        checkpoint's does."""
+        track (``Track.ended``), as it would end a ``generate`` stream."""
         rid = request.request_id
-        loop = asyncio.get_running_loop()
-        track = Track(rid, self._rows.acquire(), state, loop.create_future())
+        track = Track(rid, self._rows.acquire(), state, asyncio.get_running_loop().create_future())
         # Like a stream that opens: it joins the next flush point, not the current one.
         track.point = self.checkpointer.flush_point()
         self._tracks[rid] = track
-        if opening is not None:
-            track.saving = loop.create_future()
-            self._rows.saving[track.row] = True
-            opening.add_done_callback(partial(self._saved, track, checkpoint=False))
         try:
             await self.engine.add(request)
         except Exception as exc:
@@ -343,9 +327,7 @@ class Stepper:
         for (track, _), future in zip(pending, futures, strict=True):
             future.add_done_callback(partial(self._saved, track))
 
-    def _saved(
-        self, track: Track, future: asyncio.Future[RolloutState], *, checkpoint: bool = True
-    ) -> None:
+    def _saved(self, track: Track, future: asyncio.Future[RolloutState]) -> None:
         saving = track.saving
         assert saving is not None
         if future.cancelled():
@@ -364,7 +346,7 @@ class Stepper:
         saving.set_result(track.state)
         if not track.released:
             self._rows.saving[track.row] = False
-        if checkpoint and self.on_saved is not None:
+        if self.on_saved is not None:
             self.on_saved()
 
     def _end(self, track: Track, end: End | None) -> None:
