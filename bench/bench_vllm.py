@@ -27,7 +27,7 @@ durable side added (this process's CPU beyond the direct side's, plus Redis's:
 throughput then, and ``ratio_beyond_cpu`` (the durable side against that engine alone, the
 median of the rounds) what is left of the gap once this machine's CPU is accounted for: the
 worker's latency between a rollout's end and the next one's start (its dequeue, load, lease
-and ``Started`` round trips, ~12 ms, fsynced under AOF ``always``, while that engine slot
+and ``Started`` round trips, ~15 ms, fsynced under AOF ``always``, while that engine slot
 is empty; at 128-token rollouts on ~4 ms steps that is ~3 steps of 128).
 Measured here: beside a burner taking 5% of a core the engine alone kept 0.973 of its
 throughput, beside 10%, 0.921.
