@@ -201,8 +201,8 @@ class RqBridge:
             # Jobs waiting (a step's groups, or a slot freed while the queue is long): three
             # round trips for all of them, where a blocking pop first took five. Each is a
             # thread hop with its GIL wait, and the pop an fsync under AOF ``always``, while
-            # the freed slot waits (bench_vllm: ~2 ms of ~12 between a rollout's end and the
-            # next one's start).
+            # the freed slot waits (bench_vllm: ~2 ms of the ~17 between a rollout's end and
+            # the next one's start).
             queued = self._more(limit)
             if queued:
                 return queued
