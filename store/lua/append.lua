@@ -33,9 +33,9 @@
 --           a transaction runs whole. The log must exist (seq >= 2).
 --           That is one command per record where a gate that let the XADD through took
 --           three (RENAME the log aside in the script, XADD, RENAME it back), and gave ~5 us
---           of Redis CPU per event back (bench_store). It needs the script to run whenever its XADDs do, so
---           it is always sent by its text (EVAL), never by sha: a NOSCRIPT after a restart
---           would otherwise let the records in unchecked.
+--           of Redis CPU per event back (bench_store). It needs the script to run whenever
+--           its XADDs do, so it is always sent by its text (EVAL), never by sha: a NOSCRIPT
+--           after a restart would otherwise let the records in unchecked.
 -- One call for many events because a script call's own cost (setup, garbage collection) was
 -- about that of the redis.call work it does for one event (perf on redis-server 7.0).
 --
