@@ -311,12 +311,15 @@ async def test_load_weights_under_inflight_request(
     engines, model_dir: Path, second_checkpoint: Path, prompts, engine_case: Any
 ) -> None:
     """In-flight requests continue on the new weights from a recomputed KV cache."""
+    # Long enough that the request is still generating when the load lands: at N tokens a
+    # fast machine (~4 ms steps) once finished all of them first, on the old weights.
+    n = 4 * N
     engine = await engines(model_dir)
     reference = await engines(second_checkpoint, weight_version=1)
     request = EngineRequest(
         request_id="inflight",
         prompt_token_ids=tuple(prompts[2]),
-        sampling=SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True),
+        sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
     )
     stream = engine.generate(request)
     chunks = [await anext(stream) for _ in range(3)]
@@ -329,9 +332,9 @@ async def test_load_weights_under_inflight_request(
     # awaiting the load), so one chunk can carry several tokens.
     old = [int(t) for c in chunks if c.weight_version == 0 for t in c.token_ids]
     new = [int(t) for c in chunks if c.weight_version == 1 for t in c.token_ids]
-    assert len(old) + len(new) == N
+    assert len(old) + len(new) == n
     # The tokens after the swap are exactly a fresh new-weights run resumed from the old ones.
-    continuation = await greedy(reference, prompts[2] + old, n=N - len(old))
+    continuation = await greedy(reference, prompts[2] + old, n=n - len(old))
     assert new == continuation.token_ids
 
 
