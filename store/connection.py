@@ -35,6 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from store.cancel_safe import keep_cancels
 from store.errors import InvalidRedisUrl
 
 try:
@@ -107,8 +108,9 @@ class _AsyncRetry(AsyncRetry):
 
 def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
     """An asyncio client; ``client_name`` names its connections (``CLIENT SETNAME``, on every
-    reconnect too), so that ``CLIENT LIST`` shows an operator whose they are."""
-    return aredis.Redis.from_url(
+    reconnect too), so that ``CLIENT LIST`` shows an operator whose they are. Its connections
+    let a task's cancellation through (``store.cancel_safe``)."""
+    client = aredis.Redis.from_url(
         url,
         client_name=client_name,
         retry=_AsyncRetry(EqualJitterBackoff(*BACKOFF), RETRIES),
@@ -118,6 +120,7 @@ def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
         health_check_interval=10,
         **_DRIVER,
     )
+    return keep_cancels(client)
 
 
 def connect_sync(url: str) -> redis.Redis:
