@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from side_by_side import compare, direct, requests  # the same measurement as for the CPU engine
 
+from store import defaults
 from store.redis_server import RedisServer
 
 
@@ -98,6 +99,7 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         side = await compare(
             engine, server.url, reqs, args.concurrency, args.rounds, stepped=stepped,
             cpu_matched=args.cpu_matched, redis_pid=server.proc.pid if server.proc else None,
+            prefetch_tokens=args.prefetch_tokens,
         )  # fmt: skip
         await engine.close()
     tokens = args.rollouts * args.max_tokens
@@ -110,6 +112,7 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         "rounds": args.rounds,
         "stream_interval": args.stream_interval,
         "interface": args.interface,
+        "prefetch_tokens": args.prefetch_tokens,
         "engine_start_s": round(start_s, 1),
         "warmup_s": round(warmup_s, 1),
         **side.figures(tokens),
@@ -130,6 +133,11 @@ if __name__ == "__main__":
     ap.add_argument(
         "--interface", choices=("steps", "generate"), default="steps",
         help="how the worker consumes the engine: whole steps, or a stream per rollout",
+    )  # fmt: skip
+    ap.add_argument(
+        "--prefetch-tokens", type=int, default=defaults.PREFETCH_TOKENS,
+        help="the worker takes its next job when a rollout has this many tokens left "
+        "(0: when it ends, as before)",
     )  # fmt: skip
     ap.add_argument(
         "--no-cpu-matched", dest="cpu_matched", action="store_false",

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from statemachine import Finished, RolloutRequest, SamplingParams
+from store import defaults
 from store.client import RolloutClient
 from workers.engines.base import Engine, EngineRequest, Step, StepEngine, join_chunks
 from workers.runner import Stats
@@ -190,6 +191,9 @@ class Comparison:
     # and Redis), and that share of one core, per round (``compare(cpu_matched=True)``).
     matched_s: list[float] = field(default_factory=list)
     added_share: list[float] = field(default_factory=list)
+    # How long a freed engine place stood empty before the worker's next rollout took it, the
+    # mean per refill, per round (the durable side's refill latency; the direct side's is ~0).
+    refill_ms: list[float] = field(default_factory=list)
 
     def figures(self, tokens: int) -> dict[str, Any]:
         pairs = [d / w for d, w in zip(self.direct_s, self.durable_s, strict=True)]
@@ -231,6 +235,9 @@ class Comparison:
             # The durable side beside that engine alone, in the same rounds: the rest.
             out["ratio_beyond_cpu_each"] = [round(x, 3) for x in beyond]
             out["ratio_beyond_cpu"] = round(statistics.median(beyond), 4)
+        if self.refill_ms:
+            out["refill_ms_each"] = [round(x, 2) for x in self.refill_ms]
+            out["refill_ms"] = round(statistics.median(self.refill_ms), 2)
         if self.direct_busy and statistics.median(self.direct_busy) > 0:
             out["core_busy_direct"] = round(statistics.median(self.direct_busy), 4)
             out["core_busy_durable"] = round(statistics.median(self.durable_busy), 4)
@@ -248,9 +255,11 @@ async def compare(
     stepped: bool | None = None,
     cpu_matched: bool = False,
     redis_pid: int | None = None,
+    prefetch_tokens: int = defaults.PREFETCH_TOKENS,
 ) -> Comparison:
     """`rounds` pairs of (direct, durable) on one engine; durable tokens must equal direct's.
-    ``stepped``: how the worker consumes the engine (``WorkerConfig.stepped``).
+    ``stepped``: how the worker consumes the engine (``WorkerConfig.stepped``);
+    ``prefetch_tokens``: when it takes its next job (``WorkerConfig.prefetch_tokens``).
 
     ``cpu_matched``: each round also runs the engine alone beside a ``Burner`` that keeps busy
     the share of one core the durable side added in the rounds so far (this process's CPU
@@ -259,7 +268,13 @@ async def compare(
     loses beside the burner is that part of the gap (``cpu_matched_ratio``)."""
     queue = "side-by-side"
     worker = Worker(
-        WorkerConfig(redis_url=url, queues=(queue,), max_concurrency=concurrency, stepped=stepped),
+        WorkerConfig(
+            redis_url=url,
+            queues=(queue,),
+            max_concurrency=concurrency,
+            stepped=stepped,
+            prefetch_tokens=prefetch_tokens,
+        ),
         engine,
     )
     running = asyncio.create_task(worker.run())
@@ -315,6 +330,9 @@ async def _durable_side(
     stats, checkpointer = worker.stats, worker.checkpointer
     assert checkpointer is not None
     before, trips = stats.checkpoints, checkpointer.round_trips
+    places = worker.places
+    places.forget()  # freed at the end of the last round: nothing was waiting for them
+    refills, refill_s = places.refills, places.refill_s
     t0 = time.time()
     r0 = redis_cpu() if redis_cpu else 0.0
     ids = await client.submit(reqs)
@@ -329,6 +347,8 @@ async def _durable_side(
         result.added_share.append(max(0.0, added + redis_s) / seconds)
     result.checkpoints.append(stats.checkpoints - before)
     result.round_trips.append(checkpointer.round_trips - trips)
+    if places.refills > refills:
+        result.refill_ms.append(1e3 * (places.refill_s - refill_s) / (places.refills - refills))
     return seconds, got
 
 

@@ -200,8 +200,9 @@ class _WorkerCollector(Collector):
             depth.add_metric([queue], n)
         yield depth
         yield GaugeMetricFamily(
-            f"{PREFIX}in_flight", "Rollouts on this worker's engine now (opening, generating "
-            "or saving)", value=len(runner.active) if runner is not None else 0,
+            f"{PREFIX}in_flight", "Rollouts this worker runs now (opening, waiting for one of "
+            "the engine's places while the rollouts there finish, generating or saving)",
+            value=len(runner.active) if runner is not None else 0,
         )  # fmt: skip
         yield GaugeMetricFamily(
             f"{PREFIX}max_concurrency", "Rollouts this worker generates at once at most",

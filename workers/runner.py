@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 from statemachine import (
     LIVE,
@@ -96,18 +96,36 @@ class Stats:
             self.failures[failure.value] = self.failures.get(failure.value, 0) + 1
 
 
+class EnginePlace(Protocol):
+    """A rollout's place on the engine, as the worker hands them out (``RolloutRunner.run``)."""
+
+    async def enter(self) -> None:
+        """Until the engine has room for one more of the worker's requests."""
+
+    def nearly_free(self) -> None:
+        """The rollout has at most ``prefetch_tokens`` left: the worker may take its next job."""
+
+    def free(self) -> None:
+        """The rollout no longer needs the engine. Called at most once."""
+
+
 @dataclass(slots=True)
 class _Attempt:
     """What the runner knows of one rollout while it is inside ``run``."""
 
-    on_engine_free: Callable[[], None] | None  # called at most once, see ``run``
+    place: EnginePlace | None  # see ``run``
     request_id: str | None = None  # the engine request, once there is one
     stop: tuple[AbortReason, str] | None = None  # why ``stop`` was asked, if it was
+    freed: bool = False
+
+    def nearly_free(self) -> None:
+        if self.place is not None:
+            self.place.nearly_free()
 
     def free_engine(self) -> None:
-        free, self.on_engine_free = self.on_engine_free, None
-        if free is not None:
-            free()
+        if self.place is not None and not self.freed:
+            self.freed = True
+            self.place.free()
 
 
 class RolloutRunner:
@@ -126,11 +144,13 @@ class RolloutRunner:
         model_id: str | None = None,
         max_worker_lost: int = defaults.MAX_WORKER_LOST,
         stepped: bool | None = None,
+        prefetch_tokens: int = 0,
     ) -> None:
-        """``stepped``: stream through the engine's steps (``workers.stepper``) rather than one
-        ``generate`` stream per rollout; None: whenever the engine offers them
-        (``offers_steps``), the default; False: the per-rollout streams (an engine without
-        steps, such as vLLM over HTTP, always runs that way)."""
+        """``prefetch_tokens``: when a rollout has that many tokens left, its place's
+        ``nearly_free`` is called (0: never). ``stepped``: stream through the engine's steps
+        (``workers.stepper``) rather than one ``generate`` stream per rollout; None: whenever
+        the engine offers them (``offers_steps``), the default; False: the per-rollout streams
+        (an engine without steps, such as vLLM over HTTP, always runs that way)."""
         self.store = store
         self.checkpointer = checkpointer
         self.engine = engine
@@ -146,6 +166,7 @@ class RolloutRunner:
             self._take = Coalescer(lambda ids: leases.take_many(ids, self.lease_ttl_s))
             self._drop = Coalescer(leases.drop_many)
         self.max_worker_lost = max_worker_lost
+        self.prefetch_tokens = prefetch_tokens
         # What every attempt records as its model; the engine's own identity unless the
         # deployment names it (e.g. vLLM servers whose model directory is not mounted here).
         self.model_id = engine.model_id if model_id is None else model_id
@@ -154,7 +175,9 @@ class RolloutRunner:
         self.stepper: Stepper | None = None
         if stepped if stepped is not None else offers_steps(engine):
             assert isinstance(engine, StepEngine), f"{type(engine).__name__} has no steps"
-            self.stepper = Stepper(engine, checkpointer, self._new_tokens, self._saved)
+            self.stepper = Stepper(
+                engine, checkpointer, self._new_tokens, self._saved, ahead=prefetch_tokens
+            )
         self._attempts: dict[str, _Attempt] = {}  # rollouts inside run()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -192,15 +215,17 @@ class RolloutRunner:
         self,
         rollout_id: str,
         *,
-        on_engine_free: Callable[[], None] | None = None,
+        place: EnginePlace | None = None,
         queue: str | None = None,
     ) -> RunResult:
-        """One attempt of the rollout. ``on_engine_free`` is called (at most once) when a
-        finished rollout no longer needs the engine: its last events are stamped and handed to
-        the group commit, and what is left (that round trip, the lease, rq's books) need not
-        keep the next rollout off the engine. ``queue``: the queue its job came from; a job
-        from any other queue than the rollout's own is refused (``WRONG_QUEUE``)."""
-        attempt = self._attempts[rollout_id] = _Attempt(on_engine_free)
+        """One attempt of the rollout. ``place``: the rollout's place on the engine; entered
+        before its request goes to the engine, ``nearly_free`` once it has ``prefetch_tokens``
+        left, and ``free`` when a finished rollout no longer needs the engine: its last events
+        are stamped and handed to the group commit, and what is left (that round trip, the
+        lease, rq's books) need not keep the next rollout off the engine. ``queue``: the queue
+        its job came from; a job from any other queue than the rollout's own is refused
+        (``WRONG_QUEUE``)."""
+        attempt = self._attempts[rollout_id] = _Attempt(place)
         self._idle.clear()
         try:
             result = await self._run(rollout_id, queue, attempt)
@@ -369,9 +394,20 @@ class RolloutRunner:
         except RequestRejected as exc:
             return await self._reject(state, None, exc)
         request = fit_to_context(request, limits)
+        if attempt.place is not None:
+            # Begun (and leased) while the rollout before it finished: wait for its place. A
+            # stop meanwhile aborts the request right after it opens, as below.
+            await attempt.place.enter()
         attempt.request_id = request.request_id
         if self.stepper is not None:
             return await self._generate_stepped(state, attempt, request, self.stepper)
+        return await self._generate_streamed(state, attempt, request)
+
+    async def _generate_streamed(
+        self, state: RolloutState, attempt: _Attempt, request: EngineRequest
+    ) -> RunResult:
+        """``_generate`` on one ``generate`` stream of the engine's, in this rollout's task."""
+        rid = state.rollout_id
         if attempt.stop is not None:
             # stop() came while the attempt was being opened, before there was a request.
             await self.engine.abort(request.request_id)
@@ -380,6 +416,11 @@ class RolloutRunner:
         commits = self.checkpointer
         flushed = commits.flush_point()
         in_flight: asyncio.Task[RolloutState] | None = None
+        # Tokens to go before the place is nearly free (None: told, or never told).
+        to_go = request.sampling.max_tokens - self.prefetch_tokens if self.prefetch_tokens else None
+        if to_go is not None and to_go <= 0:
+            attempt.nearly_free()  # short from the start, as Stepper.open tells it
+            to_go = None
         try:
             with commits.streaming():  # a flush point waits for this stream until it ends
                 async for chunk in self.engine.generate(request):
@@ -387,6 +428,11 @@ class RolloutRunner:
                     buffered += len(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         break
+                    if to_go is not None:
+                        to_go -= len(chunk.token_ids)
+                        if to_go <= 0:
+                            attempt.nearly_free()
+                            to_go = None
                     ready = in_flight is None or in_flight.done()
                     point = commits.flush_due(buffered, flushed, ready=ready)
                     if point is not None:
@@ -417,7 +463,8 @@ class RolloutRunner:
         rollout's tokens with every other's; this task wakes only when its stream ends."""
         track: Track | None = None
         try:
-            track = await stepper.open(state, request)
+            near = attempt.nearly_free if self.prefetch_tokens else None
+            track = await stepper.open(state, request, nearly_free=near)
             if attempt.stop is not None:
                 # stop() came while the attempt was being opened, before there was a request.
                 await stepper.abort(request.request_id)

@@ -61,6 +61,7 @@ class _Rows:
     def __init__(self) -> None:
         self.fill = np.zeros(_ROWS, dtype=np.int64)
         self.saving = np.zeros(_ROWS, dtype=bool)  # the row's checkpoint is in flight
+        self.left = np.zeros(_ROWS, dtype=np.int64)  # tokens to go (rows told nearly_free)
         self.tokens = np.zeros((_ROWS, _TOKENS), dtype=np.int32)
         self.logprobs = np.zeros((_ROWS, _TOKENS), dtype=np.float32)
         self.versions = np.zeros((_ROWS, _TOKENS), dtype=np.int64)
@@ -133,7 +134,7 @@ class _Rows:
 
     def _resize(self, rows: int, tokens: int) -> None:
         def grown(a: np.ndarray) -> np.ndarray:
-            if a.ndim == 1:  # fill and saving: read for every row, so zeroed
+            if a.ndim == 1:  # fill, saving, left: read for every row, so zeroed
                 b = np.zeros(rows, dtype=a.dtype)
                 b[: len(a)] = a
                 return b
@@ -144,7 +145,7 @@ class _Rows:
             b[: a.shape[0], : a.shape[1]] = a
             return b
 
-        self.fill, self.saving = grown(self.fill), grown(self.saving)
+        self.fill, self.saving, self.left = grown(self.fill), grown(self.saving), grown(self.left)
         self.tokens, self.logprobs = grown(self.tokens), grown(self.logprobs)
         self.versions = grown(self.versions)
         if self.routes is not None:
@@ -160,7 +161,11 @@ class Stepper:
         checkpointer: Checkpointer,
         to_tokens: Callable[[Joined], NewTokens],
         on_saved: Callable[[], None] | None = None,
+        *,
+        ahead: int = 0,
     ) -> None:
+        """``ahead``: a track opened with ``nearly_free`` is told when it has that many tokens
+        left (the runner's ``prefetch_tokens``)."""
         self.engine = engine
         self.checkpointer = checkpointer
         self.to_tokens = to_tokens  # the runner's: clamps logprobs, counts tokens
@@ -173,10 +178,18 @@ class Stepper:
         self._joining = False  # the others join the current point at the next step
         self._pending: list[tuple[Track, tuple[RolloutState, list[Event]]]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self.ahead = ahead
+        self._near: dict[int, Callable[[], None]] = {}  # by row: to tell at ``ahead`` to go
 
-    async def open(self, state: RolloutState, request: EngineRequest) -> Track:
+    async def open(
+        self,
+        state: RolloutState,
+        request: EngineRequest,
+        nearly_free: Callable[[], None] | None = None,
+    ) -> Track:
         """Start the request on the engine. Never raises an engine's error: that ends the
-        track (``Track.ended``), as it would end a ``generate`` stream."""
+        track (``Track.ended``), as it would end a ``generate`` stream. ``nearly_free`` is
+        called once the request has ``ahead`` tokens or fewer left to generate."""
         rid = request.request_id
         track = Track(rid, self._rows.acquire(), state, asyncio.get_running_loop().create_future())
         # Like a stream that opens: it joins the next flush point, not the current one.
@@ -189,6 +202,13 @@ class Stepper:
             self._end(track, End(error=exc))
             return track
         track.added = True
+        if nearly_free is not None:
+            left = request.sampling.max_tokens
+            if left <= self.ahead:
+                nearly_free()
+            else:
+                self._rows.left[track.row] = left
+                self._near[track.row] = nearly_free
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="stepper")
         return track
@@ -217,6 +237,7 @@ class Stepper:
         self._end(track, None)
         if not track.released:
             track.released = True
+            self._near.pop(track.row, None)
             self._rows.release(track.row)
 
     # ---- the loop --------------------------------------------------------------------
@@ -255,6 +276,8 @@ class Stepper:
                 fill = rows.put_ones(at, step, picks)
                 due = fill >= self.checkpointer.cadence.tokens
                 full = bool(due.any()) and not bool(rows.saving[at[due]].all())
+                if self._near:
+                    self._count_down(at)
         else:
             lo = 0
             for rid, n in zip(step.request_ids, step.counts.tolist(), strict=True):
@@ -262,12 +285,30 @@ class Stepper:
                 if track is not None:
                     filled = rows.put(track.row, step, lo, lo + n)
                     full |= filled >= self.checkpointer.cadence.tokens and track.saving is None
+                    if track.row in self._near:
+                        self._count_down_row(track.row, n)
                 lo += n
         for rid, end in step.ends.items():
             track = tracks.get(rid)
             if track is not None:
                 self._end(track, end)
         self._checkpoint(full)
+
+    def _count_down(self, rows: np.ndarray) -> None:
+        """One more token for each of ``rows``; tell those now ``ahead`` of their end."""
+        left = self._rows.left
+        left[rows] -= 1
+        for row in rows[left[rows] <= self.ahead].tolist():
+            tell = self._near.pop(row, None)
+            if tell is not None:
+                tell()
+
+    def _count_down_row(self, row: int, n: int) -> None:
+        """``n`` more tokens for a row that is to be told (a step of several tokens each)."""
+        left = int(self._rows.left[row]) - n
+        self._rows.left[row] = left
+        if left <= self.ahead:
+            self._near.pop(row)()
 
     def _checkpoint(self, full: bool) -> None:
         """The flush-point policy at each step (see the module docstring). As with per-rollout

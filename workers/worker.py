@@ -1,7 +1,8 @@
 """The worker process: one resident engine, up to N rollouts generating on it at once.
 
 rq is the durable queue (jobs carry rollout ids only); this process never forks per job. Its
-event loop takes a job only when one of its N slots is free, runs the rollout on the engine
+event loop takes a job only when one of its N slots is free (or about to be: a rollout with
+``prefetch_tokens`` left), runs the rollout on the engine, never more than N at once,
 through a ``RolloutRunner``, and keeps rq's registries truthful through ``RqBridge``. Every
 rollout's progress goes to Redis through one group-commit ``Checkpointer``.
 """
@@ -15,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,18 +85,62 @@ class WorkerConfig:
     # Stream through the engine's whole steps (workers/stepper.py); None: if it offers them.
     # False: one stream per rollout (`rollouts worker --no-engine-steps`).
     stepped: bool | None = None
+    # Take the next job when a rollout has this many tokens left (defaults.PREFETCH_TOKENS).
+    prefetch_tokens: int = defaults.PREFETCH_TOKENS
+
+
+class _Places:
+    """The engine's N places for this worker's requests, and how long freed ones stood empty
+    before the next rollout took them (``refill_s`` over ``refills``: bench_vllm reports it).
+    Freed places are matched to takers first in, first out; ``forget`` drops those freed
+    before a quiet spell (the end of a batch), which no rollout was waiting to refill."""
+
+    def __init__(self, n: int) -> None:
+        self._free = asyncio.Semaphore(n)
+        self._freed_at: deque[float] = deque()
+        self.refills = 0
+        self.refill_s = 0.0
+
+    async def acquire(self) -> None:
+        await self._free.acquire()
+        if self._freed_at:
+            self.refills += 1
+            self.refill_s += time.monotonic() - self._freed_at.popleft()
+
+    def release(self) -> None:
+        self._freed_at.append(time.monotonic())
+        self._free.release()
+
+    def forget(self) -> None:
+        self._freed_at.clear()
 
 
 class _Slot:
-    """One of the worker's N places on the engine; released once, whoever releases first."""
+    """A taken job's two places, each released once, whoever releases first: one of the take
+    loop's N slots (``slots``), given back when its rollout is nearly done (``nearly_free``)
+    so that the next job is dequeued, loaded, leased and begun meanwhile; and, from ``enter``
+    on, one of the engine's N places (``places``), given back when it no longer needs the
+    engine. So up to N rollouts are on the engine and up to N more are being begun."""
 
-    def __init__(self, slots: asyncio.Semaphore) -> None:
+    def __init__(self, slots: asyncio.Semaphore, places: _Places) -> None:
         self._slots: asyncio.Semaphore | None = slots
+        self._places = places
+        self._entered = False
 
-    def release(self) -> None:
+    async def enter(self) -> None:
+        await self._places.acquire()
+        self._entered = True
+
+    def nearly_free(self) -> None:
         if self._slots is not None:
             self._slots.release()
             self._slots = None
+
+    def free(self) -> None:
+        self.nearly_free()
+        if self._entered:
+            self._entered = False
+            self._places.release()
 
 
 class Worker:
@@ -103,6 +149,8 @@ class Worker:
     ) -> None:
         if config.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
+        if config.prefetch_tokens < 0:
+            raise ValueError("prefetch_tokens must be >= 0")
         self.config = config
         self.engine = engine
         self.stats = Stats()
@@ -111,6 +159,7 @@ class Worker:
         self.metrics.worker = self
         self.heartbeat_round_trips = 0
         self.reaper: Reaper | None = None
+        self.places = _Places(config.max_concurrency)  # replaced by each run's own
         self._queue_keys: dict[str, str] = {}  # queue name -> its rq list (for its depth)
         self._stopping = asyncio.Event()  # take no more jobs
         self._closing = asyncio.Event()  # background loops end
@@ -162,6 +211,7 @@ class Worker:
             model_id=cfg.model_id,
             max_worker_lost=cfg.max_worker_lost,
             stepped=cfg.stepped,
+            prefetch_tokens=cfg.prefetch_tokens,
         )
         self.store = store
         rq = self._rq = RqBridge(
@@ -231,6 +281,7 @@ class Worker:
 
     async def _take_jobs(self, rq: RqBridge) -> None:
         slots = asyncio.Semaphore(self.config.max_concurrency)
+        places = self.places = _Places(self.config.max_concurrency)
         while not self._stopping.is_set():
             # Take jobs only with free slots (leave the rest to other workers), but wake up
             # for a shutdown request even while every slot is busy.
@@ -259,8 +310,8 @@ class Worker:
                 break
             for running in taken:
                 if running.problem is None:
-                    slot = _Slot(slots)
-                    task = asyncio.create_task(self._run_job(rq, running, slot.release))
+                    slot = _Slot(slots, places)
+                    task = asyncio.create_task(self._run_job(rq, running, slot))
                     eid = running.execution.id
                     self.tasks[eid] = task
                     task.add_done_callback(lambda _t, eid=eid, s=slot: self._done(eid, s))
@@ -292,18 +343,17 @@ class Worker:
 
     def _done(self, execution_id: str, slot: _Slot) -> None:
         self.tasks.pop(execution_id, None)
-        slot.release()
+        slot.free()
 
-    async def _run_job(
-        self, rq: RqBridge, running: TakenJob, free_slot: Callable[[], None]
-    ) -> None:
+    async def _run_job(self, rq: RqBridge, running: TakenJob, slot: _Slot) -> None:
         rid = running.rollout_id
+        free_slot = slot.free
         await self.admitting.wait()  # dequeued just as an update began: start on new weights
         try:
             # The slot frees as soon as a finished rollout's last events are stamped: the next
             # job's dequeue and start overlap this one's last round trip and rq bookkeeping
             # (about 6 round trips the engine would otherwise run one request short).
-            result = await self.runner.run(rid, on_engine_free=free_slot, queue=running.queue.name)
+            result = await self.runner.run(rid, place=slot, queue=running.queue.name)
         except RolloutNotFound as exc:
             # Nothing to run, now or ever: the job goes to rq's failed registry with why.
             await self._refuse(rq, running, f"{exc}")

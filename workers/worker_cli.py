@@ -9,6 +9,7 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from store import defaults
@@ -78,7 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-concurrency",
-        type=int,
+        type=_at_least(1),
         default=4,
         help="rollouts generating at once on this engine (default 4)",
     )
@@ -103,6 +104,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.CHECKPOINT_INTERVAL_S,
         help="... or once this many seconds passed since the last save (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefetch-tokens",
+        type=_at_least(0),
+        default=defaults.PREFETCH_TOKENS,
+        help="take the next job when a rollout has this many tokens left, so that its start "
+        "(dequeue, lease, Started) overlaps that rollout's last engine steps; the engine never "
+        "holds more than --max-concurrency requests; 0: when it ends (default %(default)s)",
     )
     parser.add_argument(
         "--max-engine-attempts",
@@ -222,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         queues=tuple(args.queues or (defaults.QUEUE_NAME,)),
         max_concurrency=args.max_concurrency,
         cadence=Cadence(tokens=args.checkpoint_tokens, interval_s=args.checkpoint_interval),
+        prefetch_tokens=args.prefetch_tokens,
         max_engine_attempts=args.max_engine_attempts,
         max_worker_lost=args.max_worker_lost,
         burst=args.burst,
@@ -262,6 +272,22 @@ def run(args: argparse.Namespace) -> int:
         metrics.close()
     # Non-zero when the engine died, so a supervisor restarts the worker (with a new engine).
     return 1 if worker.stats.engine_dead else 0
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number, ``low`` or more (refused with a usage error, exit 2,
+    instead of a traceback from the worker's own check)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a whole number is needed, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {low} or more, got {value}")
+        return value
+
+    return parse
 
 
 def _port(text: str) -> int:

@@ -312,8 +312,11 @@ async def test_load_weights_under_inflight_request(
 ) -> None:
     """In-flight requests continue on the new weights from a recomputed KV cache."""
     # Long enough that the request is still generating when the load lands: at N tokens a
-    # fast machine (~4 ms steps) once finished all of them first, on the old weights.
-    n = 4 * N
+    # fast machine (~4 ms steps) once finished all of them first, on the old weights, and at
+    # 4 * N vllm-http did so in a loaded full-suite run (3 test processes on 2 cores): its
+    # load is an HTTP call to servers that keep generating meanwhile. 16 * N tokens fit the
+    # 512-token context of the vLLM tests' engines with the prompt (and add ~20 s there).
+    n = 16 * N if engine_case.name.startswith("vllm-http") else 4 * N
     engine = await engines(model_dir)
     reference = await engines(second_checkpoint, weight_version=1)
     request = EngineRequest(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -256,10 +256,20 @@ async def test_a_finished_rollout_frees_its_engine_slot_before_its_last_round_tr
     runner = RolloutRunner(store, Checkpointer(store), PacedEngine(0.002), "w")
     freed: dict[str, int] = {}
 
-    def on_free(rid: str) -> Callable[[], None]:
-        return lambda: freed.setdefault(rid, len(store.batches))  # round trips sent so far
+    class Place:
+        def __init__(self, rid: str) -> None:
+            self.rid = rid
 
-    result = await runner.run("done", on_engine_free=on_free("done"))
+        async def enter(self) -> None:
+            pass
+
+        def nearly_free(self) -> None:
+            pass
+
+        def free(self) -> None:
+            freed.setdefault(self.rid, len(store.batches))  # round trips sent so far
+
+    result = await runner.run("done", place=Place("done"))
     assert result.outcome is Outcome.FINISHED and result.state.status is Status.DONE
     sent_before = [t for b in store.batches[: freed["done"]] for _, t in b]
     assert "Finished" not in sent_before  # freed before its last chain went to Redis
@@ -267,7 +277,7 @@ async def test_a_finished_rollout_frees_its_engine_slot_before_its_last_round_tr
 
     # An abort keeps its slot until saved (a dying engine or a stopping worker must not take
     # another job meanwhile).
-    running = asyncio.create_task(runner.run("stopped", on_engine_free=on_free("stopped")))
+    running = asyncio.create_task(runner.run("stopped", place=Place("stopped")))
     while (await store.load("stopped")).num_tokens == 0:
         await asyncio.sleep(0.01)
     await runner.stop("stopped", AbortReason.SHUTDOWN)

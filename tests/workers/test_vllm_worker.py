@@ -122,7 +122,8 @@ async def test_two_vllm_workers_six_rollouts_aborted_twice(
     events = {rid: await client.store.events(rid) for rid in ids}
     per_worker = attempt_intervals(events)
     assert set(per_worker) == {"v1", "v2"}  # both engines served
-    assert all(max_overlap(iv) <= 2 for iv in per_worker.values())
+    # 2 on the engine, and at most 2 more begun while those finish (--prefetch-tokens).
+    assert all(max_overlap(iv) <= 4 for iv in per_worker.values())
     await client.aclose()
 
 

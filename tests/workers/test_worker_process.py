@@ -69,16 +69,19 @@ async def test_two_workers_two_slots_six_rollouts(
     finally:
         stop(*workers)
     # rq counts a job until its bookkeeping is done, which overlaps the next job's start (the
-    # engine slot frees when a rollout's last events are stamped): 2 generating, plus at most
-    # 2 finishing.
-    assert 2 <= busiest <= 4, f"rq showed a worker running {busiest} rollouts at once"
+    # engine slot frees when a rollout's last events are stamped), and a worker takes its next
+    # job when a rollout has --prefetch-tokens left: 2 on the engine, at most 2 being begun
+    # and at most 2 finishing.
+    assert 2 <= busiest <= 6, f"rq showed a worker running {busiest} rollouts at once"
 
-    # At most 2 generating per worker at any moment, read from the recorded events.
+    # Per worker at any moment, read from the recorded events: at most 2 attempts on the
+    # engine and 2 begun while those finish (tests/workers/test_prefetch.py holds the engine
+    # itself to 2).
     events = {rid: await client.store.events(rid) for rid in ids}
     per_worker = attempt_intervals(events)
     assert set(per_worker) <= {"w1", "w2"}
-    assert max(max_overlap(iv) for iv in per_worker.values()) == 2
-    assert all(max_overlap(iv) <= 2 for iv in per_worker.values())
+    assert max(max_overlap(iv) for iv in per_worker.values()) >= 2
+    assert all(max_overlap(iv) <= 4 for iv in per_worker.values())
 
     # Greedy results equal the same engine's direct generation, token for token.
     reference = await direct_greedy(cpu_pool, tiny_moe_dir, ps, GREEDY)
