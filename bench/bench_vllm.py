@@ -26,9 +26,11 @@ durable side added (this process's CPU beyond the direct side's, plus Redis's:
 ``cpu_added_share_of_a_core``). ``cpu_matched_ratio`` is what the engine alone keeps of its
 throughput then, and ``ratio_beyond_cpu`` (the durable side against that engine alone, the
 median of the rounds) what is left of the gap once this machine's CPU is accounted for: the
-worker's latency between a rollout's end and the next one's start (its dequeue, load, lease
-and ``Started`` round trips, ~15 ms, fsynced under AOF ``always``, while that engine slot
-is empty; at 128-token rollouts on ~4 ms steps that is ~3 steps of 128).
+worker's latency between a rollout's end and the next one's start. ``refill_ms`` measures it:
+how long a freed engine place stood empty before the next rollout took it, the mean per
+refill (median of the rounds). Taken at a rollout's end, the next job's dequeue, load, lease
+and ``Started`` (fsynced under AOF ``always``) left it empty 15-30 ms, ~3 steps of a 128-token
+rollout; taken when a rollout has ``--prefetch-tokens`` left (the worker's default, 8), ~3 ms.
 Measured here: beside a burner taking 5% of a core the engine alone kept 0.973 of its
 throughput, beside 10%, 0.921.
 

@@ -2,8 +2,8 @@
 
 A task cancelled while it runs synchronous code (a Ctrl-C landing between two awaits, a
 worker's shutdown cancelling a loop that just woke) carries the cancel to its next await. When
-that await is a Redis command, redis-py 7 (on Python 3.11 and 3.12) swallows it in two places,
-and the task runs on as if never cancelled:
+that await is a Redis command, redis-py 7 on Python 3.11 (the version this was found and tested
+on) swallows it in two places, and the task runs on as if never cancelled:
 
 - the pool checks every connection it hands out with ``can_read_destructive``: a socket read
   under ``asyncio.timeout(0)``. A ``timeout`` counts a cancel already pending when it was

@@ -47,3 +47,7 @@ async def test_compare_reports_the_cpu_matched_side(server: RedisServer) -> None
     assert 0.0 < figures["cpu_added_share_of_a_core"] < 1.0
     assert figures["cpu_matched_ratio"] > 0 and figures["ratio_beyond_cpu"] > 0
     assert len(figures["ratio_beyond_cpu_each"]) == 2
+    lo, hi = figures["ratio_ci95"]
+    each = figures["ratio_each"]  # rounded to 3 places, the interval to 4
+    assert min(each) - 1e-3 <= lo <= figures["ratio"] <= hi <= max(each) + 1e-3
+    assert figures["refill_ms"] >= 0 and len(figures["refill_ms_each"]) == 2
