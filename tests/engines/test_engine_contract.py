@@ -311,30 +311,38 @@ async def test_load_weights_under_inflight_request(
     engines, model_dir: Path, second_checkpoint: Path, prompts, engine_case: Any
 ) -> None:
     """In-flight requests continue on the new weights from a recomputed KV cache."""
-    # Long enough that the request is still generating when the load lands: at N tokens a
-    # fast machine (~4 ms steps) once finished all of them first, on the old weights, and at
-    # 4 * N vllm-http did so in a loaded full-suite run (3 test processes on 2 cores): its
-    # load is an HTTP call to servers that keep generating meanwhile. 16 * N tokens fit the
-    # 512-token context of the vLLM tests' engines with the prompt (and add ~20 s there).
-    n = 16 * N if engine_case.name.startswith("vllm-http") else 4 * N
+    # Long enough that the request is usually still generating when the load lands: at N
+    # tokens a fast machine (~4 ms steps) once finished all of them first. A loaded one can
+    # still: vllm-http's servers generated all 4 * N (and, once, 16 * N) tokens before the
+    # test process, starved of CPU, sent its load. Then the round is run again, on the first
+    # weights put back under a new version: an engine that never switches a request in
+    # flight still fails, three times.
+    n = 4 * N
     engine = await engines(model_dir)
     reference = await engines(second_checkpoint, weight_version=1)
-    request = EngineRequest(
-        request_id="inflight",
-        prompt_token_ids=tuple(prompts[2]),
-        sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-    )
-    stream = engine.generate(request)
-    chunks = [await anext(stream) for _ in range(3)]
-    await engine.load_weights(str(second_checkpoint), 1)
-    chunks += [c async for c in stream]
-    versions = [c.weight_version for c in chunks]
+    for round_ in range(3):
+        before = engine.weight_version
+        if round_:
+            before += 1
+            await engine.load_weights(str(model_dir), before)
+        request = EngineRequest(
+            request_id=f"inflight-{round_}",
+            prompt_token_ids=tuple(prompts[2]),
+            sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        )
+        stream = engine.generate(request)
+        chunks = [await anext(stream) for _ in range(3)]
+        await engine.load_weights(str(second_checkpoint), before + 1)
+        chunks += [c async for c in stream]
+        versions = [c.weight_version for c in chunks]
+        if versions[-1] == before + 1:
+            break
     assert versions == sorted(versions)
-    assert (versions[0], versions[-1]) == (0, 1)
+    assert (versions[0], versions[-1]) == (before, before + 1)
     # Tokens, not chunks: vLLM merges outputs that queued up while the consumer was away (here,
     # awaiting the load), so one chunk can carry several tokens.
-    old = [int(t) for c in chunks if c.weight_version == 0 for t in c.token_ids]
-    new = [int(t) for c in chunks if c.weight_version == 1 for t in c.token_ids]
+    old = [int(t) for c in chunks if c.weight_version == before for t in c.token_ids]
+    new = [int(t) for c in chunks if c.weight_version == before + 1 for t in c.token_ids]
     assert len(old) + len(new) == n
     # The tokens after the swap are exactly a fresh new-weights run resumed from the old ones.
     continuation = await greedy(reference, prompts[2] + old, n=n - len(old))
