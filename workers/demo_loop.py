@@ -33,8 +33,13 @@ PROMPTS = [
 
 # Tokens a rollout must have saved on the worker before it is killed: a kill mid-generation.
 KILL_AFTER_TOKENS = 8
-# How often it looks: a 24-token rollout is in that window (8 to 16 tokens saved, 8 or more
-# to go) for ~8 engine steps, well under 0.1 s; at 0.1 s a loaded machine's run once missed
+# ... and at least this many left by its snapshot. The snapshot lags the engine by up to a
+# checkpoint (the demo's workers save every 8 tokens), so 16 leaves 8 or more really to go:
+# with 8, a rollout seen at 16 of 24 had at times made its last tokens already, and the kill
+# interrupted nothing (no worker_lost abort; twice in fresh-clone CI runs).
+KILL_BEFORE_END_TOKENS = 16
+# How often it looks: a 24-token rollout is in that window (8 tokens saved, 16 to go: from
+# its 8th token to its 16th) for ~8 engine steps, well under 0.1 s; at 0.1 s a loaded machine's run once missed
 # every rollout of the step. 32 snapshots read every 20 ms cost the demo nothing it shows.
 POLL_S = 0.02
 
@@ -167,15 +172,14 @@ async def _kill_when_generating(
             if isinstance(s, Exception):
                 raise s
             states.append(s)
-        # Far enough from its end too: once in CI the kill interrupted nothing (no
-        # worker_lost abort), most likely because the rollout seen ended before the kill.
+        # Far enough from its end too (KILL_BEFORE_END_TOKENS).
         busy = {
             s.worker_id
             for s in states
             if s.status in (Status.GENERATING, Status.RESUMED)
             and s.worker_id is not None
             and s.num_tokens >= KILL_AFTER_TOKENS
-            and s.remaining_tokens >= KILL_AFTER_TOKENS
+            and s.remaining_tokens >= KILL_BEFORE_END_TOKENS
         }
         if busy:
             name = kill(busy)
