@@ -39,8 +39,9 @@ KILL_AFTER_TOKENS = 8
 # interrupted nothing (no worker_lost abort; twice in fresh-clone CI runs).
 KILL_BEFORE_END_TOKENS = 16
 # How often it looks: a 24-token rollout is in that window (8 tokens saved, 16 to go: from
-# its 8th token to its 16th) for ~8 engine steps, well under 0.1 s; at 0.1 s a loaded machine's run once missed
-# every rollout of the step. 32 snapshots read every 20 ms cost the demo nothing it shows.
+# its 8th token to its 16th) for ~8 engine steps, well under 0.1 s; at 0.1 s a loaded
+# machine's run once missed every rollout of the step. 32 snapshots read every 20 ms cost
+# the demo nothing it shows.
 POLL_S = 0.02
 
 
