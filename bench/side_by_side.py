@@ -192,7 +192,8 @@ class Comparison:
     matched_s: list[float] = field(default_factory=list)
     added_share: list[float] = field(default_factory=list)
     # How long a freed engine place stood empty before the worker's next rollout took it, the
-    # mean per refill, per round (the durable side's refill latency; the direct side's is ~0).
+    # mean per refill, per round that had one (the durable side's refill latency; the direct
+    # side's is ~0).
     refill_ms: list[float] = field(default_factory=list)
 
     def figures(self, tokens: int) -> dict[str, Any]:
