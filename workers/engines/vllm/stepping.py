@@ -28,6 +28,7 @@ import numpy as np
 from statemachine.request import SamplingParams
 from workers.engines.base import End, EngineRequest, Step
 from workers.engines.errors import EngineClosed, EngineDead, EngineError, RequestAborted
+from workers.engines.vllm import lean
 from workers.engines.vllm.swap import SubRequest, SwappingEngine
 from workers.engines.vllm.translate import (
     ABORT,
@@ -106,6 +107,7 @@ class SteppingVllm(SwappingEngine[SubRequest]):
             return
         # vLLM's output processor calls collector.put(output) for each output of this
         # sub-request (see the module docstring): they come here instead, one wake-up a step.
+        lean.install_for(self._llm.output_processor, stream.sub_id)  # if it qualifies
         take = partial(self._take_output, stream, stream.sub_id)
         collector.put = take
         early, collector.output = collector.output, None
@@ -158,7 +160,7 @@ class SteppingVllm(SwappingEngine[SubRequest]):
 
     def _read(self, stream: SteppedRequest, output: Any, pieces: dict[str, _Piece]) -> End | None:
         """One output of the request into ``pieces``; its end, if it ended."""
-        completion = output.outputs[0]
+        completion = output if isinstance(output, lean.LeanOutput) else output.outputs[0]
         interrupted = completion.finish_reason == ABORT
         reason = None if interrupted else finish_reason(completion.finish_reason)
         ids = completion.token_ids
@@ -235,8 +237,16 @@ class SteppingVllm(SwappingEngine[SubRequest]):
 
 
 def _sampled(logprobs: Any, token_ids: list[int]) -> list[float]:
-    """The sampled tokens' logprobs from vLLM's flat logprobs (``local.sampled_logprobs``,
-    without a numpy array per output: at one token per output that dominated)."""
+    """The sampled tokens' logprobs from a lean output's, or from vLLM's flat logprobs
+    (``local.sampled_logprobs``, without a numpy array per output: at one token per output
+    that dominated)."""
+    if isinstance(logprobs, lean.SampledLogprobs):
+        if logprobs.token_ids != token_ids:
+            raise EngineError(
+                f"vLLM's logprobs are not those of the sampled tokens: {len(logprobs.token_ids)}"
+                f" reported for {len(token_ids)} tokens"
+            )
+        return logprobs.logprobs
     if logprobs is None or len(logprobs) != len(token_ids):
         n = 0 if logprobs is None else len(logprobs)
         raise EngineError(f"vLLM returned {n} logprobs for {len(token_ids)} tokens")
