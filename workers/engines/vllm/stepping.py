@@ -64,6 +64,7 @@ class SteppingVllm(SwappingEngine[SubRequest]):
     """``add``/``steps`` for the in-process vLLM engine (``local.VllmEngine``)."""
 
     # Provided by VllmEngine.
+    _llm: Any  # vLLM's AsyncLLM
     _eos: frozenset[int]
     _expert_dtype: np.dtype | None
     _routed: bool
@@ -107,6 +108,7 @@ class SteppingVllm(SwappingEngine[SubRequest]):
             return
         # vLLM's output processor calls collector.put(output) for each output of this
         # sub-request (see the module docstring): they come here instead, one wake-up a step.
+        assert stream.sub_id is not None  # set by _submit
         lean.install_for(self._llm.output_processor, stream.sub_id)  # if it qualifies
         take = partial(self._take_output, stream, stream.sub_id)
         collector.put = take
