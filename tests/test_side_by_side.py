@@ -1,8 +1,10 @@
 """``bench/side_by_side.py``'s CPU-matched side: the burner takes the share it is given, and
-``compare(cpu_matched=True)`` reports what the engine alone keeps beside it."""
+``compare(cpu_matched=True)`` reports what the engine alone keeps beside it; the engine alone
+driven by whole steps; the wait for a round's end, woken by the worker's count."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Iterator
@@ -10,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from statemachine.status import FailureClass, Status
 from store.redis_server import RedisServer
 from workers.engines.synthetic import SyntheticEngine
+from workers.runner import Stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from side_by_side import Burner, _pid_cpu, compare, requests
+from side_by_side import Burner, _pid_cpu, _until_ended, compare, requests
 
 pytestmark = pytest.mark.redis_server
 
@@ -52,3 +56,25 @@ async def test_compare_reports_the_cpu_matched_side(server: RedisServer) -> None
     assert min(each) - 1e-3 <= lo <= figures["ratio"] <= hi <= max(each) + 1e-3
     # Per round in which a freed place was refilled (a round under load once had none).
     assert figures["refill_ms"] >= 0 and 1 <= len(figures["refill_ms_each"]) <= 2
+
+
+async def test_compare_can_drive_the_engine_alone_by_whole_steps(server: RedisServer) -> None:
+    engine = SyntheticEngine(tokens_per_chunk=1, token_delay_s=0.001)
+    # compare asserts that the durable side's tokens equal the engine alone's, per rollout.
+    side = await compare(engine, server.url, requests(8, 16), 4, 2, direct_steps_side=True)
+    assert len(side.direct_s) == len(side.durable_s) == 2 and min(side.direct_s) > 0
+
+
+async def test_the_wait_for_a_rounds_end_wakes_on_the_workers_count() -> None:
+    stats = Stats()
+    stats.end(Status.DONE)  # a round before
+    waiting = asyncio.create_task(_until_ended(stats, 3))
+    await asyncio.sleep(0.01)
+    stats.end(Status.DONE)
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    stats.end(Status.FAILED, FailureClass.WORKER_LOST)
+    await asyncio.wait_for(waiting, 1.0)
+    assert type(stats.ended) is dict  # the worker's own dict again, with every count
+    assert stats.ended == {"done": 2, "failed": 1} and stats.failures == {"worker_lost": 1}
+    await asyncio.wait_for(_until_ended(stats, 3), 1.0)  # already there: returns at once

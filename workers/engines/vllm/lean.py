@@ -26,9 +26,13 @@ request's first output was processed. Anything else keeps vLLM's own outputs, wh
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import numpy as np
+
+log = logging.getLogger(__name__)
+_warned: list[bool] = []  # once per process
 
 
 class SampledLogprobs(NamedTuple):
@@ -93,11 +97,19 @@ class _SampledOnly:
 def install_for(processor: Any, request_id: str) -> bool:
     """``install`` on the state of the request vLLM's ``OutputProcessor`` knows by the id it
     was added under (vLLM keys its states by an internal id: that id plus a random suffix)."""
-    internal = processor.external_req_ids.get(request_id)
-    if not internal or len(internal) != 1:
+    try:
+        internal = processor.external_req_ids.get(request_id)
+        if not internal or len(internal) != 1:
+            return False
+        state = processor.request_states.get(internal[0])
+        return state is not None and install(state)
+    except AttributeError as exc:
+        # Another vLLM than the pinned one, laid out differently: its own outputs still work
+        # (tests/engines/test_vllm_lean.py fails loudly on such an upgrade).
+        if not _warned:
+            _warned.append(True)
+            log.warning("lean vLLM outputs unavailable, using vLLM's own: %r", exc)
         return False
-    state = processor.request_states.get(internal[0])
-    return state is not None and install(state)
 
 
 def install(state: Any) -> bool:
@@ -119,7 +131,6 @@ def install(state: Any) -> bool:
     ):
         return False
     sampled = _SampledOnly()
-    state.logprobs_processor = sampled
 
     def make_request_output(
         new_token_ids: list[int],
@@ -150,5 +161,7 @@ def install(state: Any) -> bool:
             routed_experts=routes,
         )
 
+    # The method first: were it not settable (slots), the state is left as it was.
     state.make_request_output = make_request_output
+    state.logprobs_processor = sampled
     return True
