@@ -6,6 +6,7 @@ keeps vLLM's outputs. Routed experts cannot be checked here: vLLM returns them o
 from __future__ import annotations
 
 import dataclasses
+import types
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,25 @@ async def test_a_request_with_stop_strings_keeps_vllms_outputs(
     alone = await collect_request(engine, greedy("stop-gen", PROMPTS[0], 12, stop=("zzzz-never",)))
     assert got["ids"]["stop-0"] == alone.token_ids and len(alone.token_ids) == 12
     np.testing.assert_allclose(got["logprobs"]["stop-0"], alone.logprobs, atol=1e-4, rtol=0)
+
+
+async def test_another_vllms_layout_keeps_vllms_outputs(caplog: pytest.LogCaptureFixture) -> None:
+    """A RequestState laid out otherwise than vLLM 0.32's (here: no ``detokenizer``) is
+    left as it was, its request served by vLLM's own outputs, with one warning."""
+    from vllm.sampling_params import RequestOutputKind
+
+    own = object()
+    state = types.SimpleNamespace(
+        parent_req=None, output_kind=RequestOutputKind.DELTA, make_request_output=own
+    )
+    processor = types.SimpleNamespace(
+        external_req_ids={"r": ["r-1a2b"]}, request_states={"r-1a2b": state}
+    )
+    lean._warned.clear()
+    with caplog.at_level("WARNING", logger=lean.__name__):
+        assert lean.install_for(processor, "r") is False
+        assert lean.install_for(processor, "r") is False
+    assert state.make_request_output is own and not hasattr(state, "logprobs_processor")
+    warned = [r.getMessage() for r in caplog.records if r.name == lean.__name__]
+    assert len(warned) == 1 and "detokenizer" in warned[0]
+    assert lean.install_for(processor, "unknown") is False
