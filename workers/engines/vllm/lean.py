@@ -7,8 +7,8 @@ of vLLM 0.32, ``OutputProcessor.process_outputs``) turns the sampled token's log
 ``LogprobsProcessor.update_from_output``), then slices that growing container and wraps the
 slice in a ``CompletionOutput`` and a ``RequestOutput`` (``RequestState.make_request_output``).
 The stepper reads back one float per token. Profiled on in-process vLLM with 16 rollouts in
-flight, those two calls were ~13% of the worker process's CPU, more than the worker's own
-bookkeeping added, and that CPU is taken from the process that also runs vLLM's front end.
+flight, those two calls were ~13% of the worker process's CPU; without them the process spent
+12-18 us less per token (62-64 against 74-82, 64 x 128 tokens, whole steps, no worker).
 
 ``install`` replaces both on one request's ``RequestState`` instance:
 - its logprobs processor keeps only the sampled column of each output's ``new_logprobs``
@@ -128,6 +128,8 @@ def install(state: Any) -> bool:
         or state.sent_tokens_offset != 0
         or state.logprobs_processor is None
         or state.logprobs_processor.num_logprobs != 0
+        or state.stream_interval < 1
+        or not isinstance(state.routed_experts_chunks, list)  # read at the end: read now
     ):
         return False
     sampled = _SampledOnly()

@@ -7,7 +7,7 @@ request's collector hands its outputs to this engine instead (its ``put`` is rep
 instance: the output processor calls ``req_state.queue.put``, ``v1/engine/output_processor.py``
 of vLLM 0.32), so a step's outputs for every request wake the consumer once and come out as one
 ``Step``. A plain request's outputs are ``lean.LeanOutput``s, not vLLM's ``RequestOutput``s:
-vLLM's per-token logprob containers and output objects were ~13% of the worker's CPU
+vLLM's per-token logprob containers and output objects were ~13% of the worker process's CPU
 (``lean.py``).
 
 Everything else is ``generate``'s: the same submission (``_submit``), the same weight-swap
