@@ -39,6 +39,9 @@ import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from watch import Watch
 
 from statemachine import FinishReason, RolloutRequest, RolloutState, SamplingParams, commands
 from statemachine.commands import NewTokens
@@ -73,12 +76,13 @@ def submit_body(reqs: list[RolloutRequest], batch_id: str) -> dict[str, Any]:
 
 
 class ApiProcess:
-    def __init__(self, url: str, log: Path) -> None:
+    def __init__(self, url: str, log: Path, *extra: str) -> None:
+        """``extra``: more ``rollouts api`` flags (bench_harness.py's ``--queue``)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._log = log.open("wb")
         cmd = [sys.executable, "-m", "workers.cli", "api", "--redis", url,
-               "--port", str(self.port)]  # fmt: skip
+               "--port", str(self.port), *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
         self.log = log
 
@@ -343,14 +347,17 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = {"quick": quick}
         t0 = time.perf_counter()
         try:
-            await api.up()
-            connector = aiohttp.TCPConnector(limit=4)
-            async with aiohttp.ClientSession(base_url=api.base, connector=connector) as http:
-                rounds = 2 if quick else args.rounds
-                out |= await bench_submit(server.url, api, http, 50 if quick else 2000, rounds)
-                out |= await bench_stream(server.url, http, 200 if quick else 2000,
-                                          64 if quick else 256, rounds)  # fmt: skip
-                out |= await bench_added_latency(server.url, http, 40 if quick else 200, 0.02)
+            async with Watch() as watch:
+                watch.redis(server)
+                watch.process(api.proc, "the API process", api.log)
+                await api.up()
+                connector = aiohttp.TCPConnector(limit=4)
+                async with aiohttp.ClientSession(base_url=api.base, connector=connector) as http:
+                    rounds = 2 if quick else args.rounds
+                    out |= await bench_submit(server.url, api, http, 50 if quick else 2000, rounds)
+                    out |= await bench_stream(server.url, http, 200 if quick else 2000,
+                                              64 if quick else 256, rounds)  # fmt: skip
+                    out |= await bench_added_latency(server.url, http, 40 if quick else 200, 0.02)
         finally:
             api.stop()
         out["api_ratio"] = min(out["submit_ratio_msgpack"], out["stream_ratio_msgpack"])

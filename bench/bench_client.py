@@ -3,10 +3,10 @@ redis-server (AOF ``appendfsync always``, started here on a free port).
 
 - submit: ``RolloutClient.submit`` of 10,000 rollouts (2,500 prompts of 64 token ids x n=4,
   max_tokens 1,024): checking, building the ``Submitted`` events, the existence lookups, the
-  batch record, the appends and the rq jobs in scripts of 1,000 rollouts (two in flight: the
+  batch record, the appends and the rq jobs in scripts of ``SUBMIT_CHUNK`` (two in flight: the
   client builds a chunk while Redis records the one before). Against it, raw
   pipelined ``XADD`` of the same encoded records (from ``EventStore.prepare``, as
-  ``store.batches`` gets them) to the same logs, 1,000 per pipeline, and the same XADDs in
+  ``store.batches`` gets them) to the same logs, as many per pipeline, and the same XADDs in
   MULTI/EXEC chunks (``raw_xadd_multi_per_s``: with AOF always, Redis fsyncs once per event-loop
   pass, so a plain pipeline costs an fsync per read of it and a transaction one per EXEC). The
   sides alternate for ``--rounds`` rounds (order reversed every other round, flushing between);
@@ -52,6 +52,9 @@ import redis
 import redis.asyncio as aredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from watch import Watch
 
 from statemachine import (
     Finished,
@@ -180,8 +183,9 @@ class WorkerProcess:
     """A ``rollouts worker --engine synthetic`` process of this run."""
 
     def __init__(
-        self, url: str, name: str, log_dir: Path, concurrency: int, pace: dict[str, Any]
-    ) -> None:
+        self, url: str, name: str, log_dir: Path, concurrency: int, pace: dict[str, Any],
+        watch: Watch,
+    ) -> None:  # fmt: skip
         self.log = log_dir / f"{name}.log"
         cmd = command(url, "", name, concurrency=concurrency, engine="synthetic")
         env = {**os.environ, SYNTHETIC_ARGS_ENV: json.dumps(pace)}
@@ -189,11 +193,14 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT
         )
+        self.watch = watch
+        watch.process(self.proc, f"worker {name}", self.log)
 
     def cpu_s(self) -> float:
         return process_cpu_s(self.proc.pid)
 
     def stop(self) -> None:
+        self.watch.release(self.proc)
         if self.proc.poll() is None:
             self.proc.terminate()
         try:
@@ -240,11 +247,11 @@ async def worker_up(r: aredis.Redis, keys: Keys, worker: WorkerProcess) -> None:
 
 
 # -- delivery and memory after ack ------------------------------------------------------------
-async def bench_delivery(url: str, log_dir: Path, prompts: int) -> dict[str, Any]:
+async def bench_delivery(url: str, log_dir: Path, prompts: int, watch: Watch) -> dict[str, Any]:
     r = aredis.Redis.from_url(url)
     client = RolloutClient(url)
     pace = DELIVERY_PACE
-    worker = WorkerProcess(url, "delivery", log_dir, DELIVERY_CONCURRENCY, pace)
+    worker = WorkerProcess(url, "delivery", log_dir, DELIVERY_CONCURRENCY, pace, watch)
     try:
         await worker_up(r, client.keys, worker)
         # A first batch creates what stays for good (counters, rq's queue set, the worker).
@@ -358,13 +365,13 @@ def tail_lengths(groups: int, base: int, seed: int = 0) -> list[int]:
 
 
 async def bench_take_k(
-    url: str, log_dir: Path, groups: int, base: int, rounds: int
+    url: str, log_dir: Path, groups: int, base: int, rounds: int, watch: Watch
 ) -> dict[str, Any]:
     lengths = tail_lengths(groups, base)
     k = max(1, groups * 3 // 4)
     client = RolloutClient(url)
     r = aredis.Redis.from_url(url)
-    worker = WorkerProcess(url, "tail", log_dir, groups * GROUP, TAIL_PACE)
+    worker = WorkerProcess(url, "tail", log_dir, groups * GROUP, TAIL_PACE, watch)
     times: dict[str, list[float]] = {"all": [], "take": []}
     try:
         await worker_up(r, client.keys, worker)
@@ -485,13 +492,16 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     ):
         out: dict[str, Any] = {"quick": quick}
         t0 = time.perf_counter()
-        out |= await bench_submit(server.url, 100 if quick else 2500, 2 if quick else args.rounds)
-        out |= await bench_memory(server.url, 8 if quick else 64, 64 if quick else 1024)
-        out |= await bench_delivery(server.url, Path(tmp), 25 if quick else 250)
-        out |= await bench_take_k(
-            server.url, Path(tmp), 8 if quick else 32, 16 if quick else 64,
-            1 if quick else args.tail_rounds,
-        )  # fmt: skip
+        async with Watch() as watch:
+            watch.redis(server)
+            out |= await bench_submit(server.url, 100 if quick else 2500,
+                                      2 if quick else args.rounds)  # fmt: skip
+            out |= await bench_memory(server.url, 8 if quick else 64, 64 if quick else 1024)
+            out |= await bench_delivery(server.url, Path(tmp), 25 if quick else 250, watch)
+            out |= await bench_take_k(
+                server.url, Path(tmp), 8 if quick else 32, 16 if quick else 64,
+                1 if quick else args.tail_rounds, watch,
+            )  # fmt: skip
         out["bench_s"] = round(time.perf_counter() - t0, 1)
     return out
 

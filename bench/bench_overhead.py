@@ -60,7 +60,7 @@ each rollout's own first load, lease take and lease drop made redis-py's asyncio
 connection per rollout running them at once (72 connections for 64 rollouts, measured), each
 parsing redis-py's package metadata for CLIENT SETINFO (~1 ms). Now those calls go together
 (``store.coalesce.Coalescer``: the calls made while a batch is in flight form the next one;
-``RqBridge._record_successes``: three round trips per batch of successes), the driver info is
+``RqBridge._record_successes``: two round trips per batch of successes), the driver info is
 resolved once, the stuck-dequeue sweep is pipelined, and the stepper's rows grow without zeroing
 token data (~25 MB per doubling at 256 rows with 48x8 routes), and a transaction's QUEUED
 replies are read under one deadline (redis-py opened an asyncio timeout per reply: 6.9 -> 1.2-1.9
@@ -98,21 +98,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from side_by_side import burst, compare, direct, direct_steps, durable, requests
+from watch import Watch
 
 from store.redis_server import RedisServer
 from workers.engines.synthetic import SyntheticEngine
+
+# --quick: a tiny workload of every part, for the smoke test (tests/bench/test_bench_overhead.py).
+QUICK = {
+    "rollouts": 4, "max_tokens": 16, "short_tokens": 8, "rounds": 2, "ceiling_rollouts": 4,
+    "ceiling_tokens": 64, "gpu_in_flight": [16], "gpu_tokens": 16, "gpu_rounds": 1,
+}  # fmt: skip
 
 
 async def main(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
         out: dict = {}
-        if not args.skip_cpu_engine:
-            out.update(await cpu_engine(server, Path(tmp), args))
-            out.update(await ceiling(server, args))
-        for in_flight in args.gpu_in_flight:
-            figures = await gpu_cadence(server, in_flight, args)
-            prefix = "gpu_cadence" if in_flight == 256 else f"gpu_cadence_{in_flight}"
-            out.update({f"{prefix}_{k}": v for k, v in figures.items()})
+        async with Watch() as watch:
+            watch.redis(server)
+            if not args.skip_cpu_engine:
+                out.update(await cpu_engine(server, Path(tmp), args))
+                out.update(await ceiling(server, args))
+            for in_flight in args.gpu_in_flight:
+                figures = await gpu_cadence(server, in_flight, args)
+                prefix = "gpu_cadence" if in_flight == 256 else f"gpu_cadence_{in_flight}"
+                out.update({f"{prefix}_{k}": v for k, v in figures.items()})
     return out
 
 
@@ -120,20 +129,22 @@ async def cpu_engine(server: RedisServer, tmp: Path, args: argparse.Namespace) -
     """(a) and (b) of the module docstring, on the CPU engine."""
     model = args.model
     if model is None:
-        from workers.tiny_model import make_tiny_model
+        from workers.demo.tiny_model import make_tiny_model
 
         model = make_tiny_model(tmp / "tiny-moe", moe=True, seed=0)
     from workers.engines.cpu.engine import CpuEngine
 
     engine = CpuEngine(model)
-    reqs = requests(args.rollouts, args.max_tokens)
-    await direct(engine, reqs[:2], 2)  # warm-up: first forwards are slower
-    side = await compare(engine, server.url, reqs, args.concurrency, args.rounds)
-    short = None
-    if args.short_tokens:
-        short_reqs = requests(args.rollouts, args.short_tokens)
-        short = await compare(engine, server.url, short_reqs, args.concurrency, args.rounds)
-    await engine.close()
+    try:
+        reqs = requests(args.rollouts, args.max_tokens)
+        await direct(engine, reqs[:2], 2)  # warm-up: first forwards are slower
+        side = await compare(engine, server.url, reqs, args.concurrency, args.rounds)
+        short = None
+        if args.short_tokens:
+            short_reqs = requests(args.rollouts, args.short_tokens)
+            short = await compare(engine, server.url, short_reqs, args.concurrency, args.rounds)
+    finally:
+        await engine.close()
     tokens = args.rollouts * args.max_tokens
     return {
         "rollouts": args.rollouts,
@@ -248,7 +259,10 @@ if __name__ == "__main__":
         "--skip-cpu-engine", action="store_true",
         help="only the synthetic-engine figures (ceiling, GPU cadence): no tiny model, no torch",
     )  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="a tiny workload (the smoke test's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.quick:
+        vars(a).update(QUICK)
     result = asyncio.run(main(a))
     print(json.dumps(result) if a.json else "\n".join(f"{k:36s} {v}" for k, v in result.items()))

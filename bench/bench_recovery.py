@@ -44,9 +44,12 @@ from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from redis import Redis
 from rq import Queue, Retry
+from rq.job import Job, JobStatus
+from watch import Died, Watch, still_going
 
 from statemachine import (
     Aborted,
@@ -85,58 +88,20 @@ def rq_worker(url: str, log: Path) -> subprocess.Popen[bytes]:
 
 
 async def ours(
-    url: str, model: Path, logs: Path, max_tokens: int, kill_at: int, sig: int, tag: str
-) -> dict:
+    server: RedisServer, model: Path, logs: Path, max_tokens: int, kill_at: int, sig: int,
+    tag: str,
+) -> dict:  # fmt: skip
     """One round: two fresh workers, the one generating the rollout gets ``sig``."""
+    url = server.url
     client = RolloutClient(url)
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     names = (f"{tag}-a", f"{tag}-b")
     procs = {n: worker(url, model, n, logs / f"{n}.log") for n in names}
     try:
-        # Both up first: the rollout is killed at `kill_at` tokens, not wherever it got to
-        # while the second worker loaded its model.
-        await _registered(client, names)
-        waited = await _redis_up_for(client, defaults.PRESENCE_GRACE_S)
-        request = RolloutRequest(prompt_token_ids=tuple(PROMPT), sampling=sampling)
-        [rid] = await client.submit([request])
-        while (await client.store.load(rid)).num_tokens < kill_at:
-            await asyncio.sleep(0.01)
-        victim = next(e.worker_id for e in await client.store.events(rid) if isinstance(e, Started))
-        procs[victim].send_signal(sig)
-        t_kill = time.time()
-        if sig == signal.SIGKILL:
-            procs[victim].wait()
-        while True:
-            events = await client.store.events(rid)
-            resumed = [e for e in events if isinstance(e, TokensAppended) and e.attempt == 2]
-            if resumed:
-                break
-            await asyncio.sleep(0.01)
-        if sig == signal.SIGSTOP:
-            procs[victim].send_signal(signal.SIGCONT)  # it wakes up and tries to append
-        first1 = [e for e in events if isinstance(e, TokensAppended) and e.attempt == 1]
-        rate = (first1[-1].offset + len(first1[-1]) - first1[0].offset - len(first1[0])) / max(
-            1e-9, first1[-1].at - first1[0].at
-        )
-        regenerated = rate * max(0.0, t_kill - first1[-1].at)
-        await client.wait([rid], timeout=600)
-        events = await client.store.events(rid)
-        [lost] = [e for e in events if isinstance(e, Aborted)]
-        fenced = all(getattr(e, "attempt", 1) != 1 or e.seq <= lost.seq for e in events)
-        began = next(e for e in events if isinstance(e, Resumed))
-        return {
-            "recovery_s": resumed[0].at - t_kill,
-            # Where it goes: kill -> abort recorded -> next attempt opened -> its first tokens.
-            "detect_s": lost.at - t_kill,
-            "reopen_s": began.at - lost.at,
-            "first_tokens_s": resumed[0].at - began.at,
-            "how": "process_gone" if "gone" in lost.detail else "lease_expired",
-            "tokens_regenerated": regenerated,
-            "persisted_at_kill": resumed[0].offset,
-            "decode_tokens_per_s": rate,
-            "waited_for_grace_s": waited,
-            "fenced": fenced and procs[victim].poll() is None,
-        }
+        async with Watch() as watch:
+            watch.redis(server)
+            for n, p in procs.items():
+                watch.process(p, f"worker {n}", logs / f"{n}.log")
+            return await _round(client, procs, watch, max_tokens, kill_at, sig)
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -144,6 +109,62 @@ async def ours(
                 p.terminate()
                 p.wait(60)
         await client.aclose()
+
+
+async def _round(
+    client: RolloutClient, procs: dict[str, subprocess.Popen[bytes]], watch: Watch,
+    max_tokens: int, kill_at: int, sig: int,
+) -> dict:  # fmt: skip
+    """``ours`` on its two running workers."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    names = tuple(procs)
+    # Both up first: the rollout is killed at `kill_at` tokens, not wherever it got to
+    # while the second worker loaded its model.
+    await _registered(client, names)
+    waited = await _redis_up_for(client, defaults.PRESENCE_GRACE_S)
+    request = RolloutRequest(prompt_token_ids=tuple(PROMPT), sampling=sampling)
+    [rid] = await client.submit([request])
+    while (await client.store.load(rid)).num_tokens < kill_at:
+        await still_going(client, rid, f"{kill_at} tokens")
+        await asyncio.sleep(0.01)
+    victim = next(e.worker_id for e in await client.store.events(rid) if isinstance(e, Started))
+    watch.release(procs[victim])  # its end, or its stop, is the point of the round
+    procs[victim].send_signal(sig)
+    t_kill = time.time()
+    if sig == signal.SIGKILL:
+        procs[victim].wait()
+    while True:
+        events = await client.store.events(rid)
+        resumed = [e for e in events if isinstance(e, TokensAppended) and e.attempt == 2]
+        if resumed:
+            break
+        await still_going(client, rid, "its next attempt's tokens")
+        await asyncio.sleep(0.01)
+    if sig == signal.SIGSTOP:
+        procs[victim].send_signal(signal.SIGCONT)  # it wakes up and tries to append
+    first1 = [e for e in events if isinstance(e, TokensAppended) and e.attempt == 1]
+    rate = (first1[-1].offset + len(first1[-1]) - first1[0].offset - len(first1[0])) / max(
+        1e-9, first1[-1].at - first1[0].at
+    )
+    regenerated = rate * max(0.0, t_kill - first1[-1].at)
+    await client.wait([rid], timeout=600)
+    events = await client.store.events(rid)
+    [lost] = [e for e in events if isinstance(e, Aborted)]
+    fenced = all(getattr(e, "attempt", 1) != 1 or e.seq <= lost.seq for e in events)
+    began = next(e for e in events if isinstance(e, Resumed))
+    return {
+        "recovery_s": resumed[0].at - t_kill,
+        # Where it goes: kill -> abort recorded -> next attempt opened -> its first tokens.
+        "detect_s": lost.at - t_kill,
+        "reopen_s": began.at - lost.at,
+        "first_tokens_s": resumed[0].at - began.at,
+        "how": "process_gone" if "gone" in lost.detail else "lease_expired",
+        "tokens_regenerated": regenerated,
+        "persisted_at_kill": resumed[0].offset,
+        "decode_tokens_per_s": rate,
+        "waited_for_grace_s": waited,
+        "fenced": fenced and procs[victim].poll() is None,
+    }
 
 
 async def _registered(client: RolloutClient, names: tuple[str, ...]) -> None:
@@ -160,13 +181,14 @@ async def _redis_up_for(client: RolloutClient, seconds: float) -> float:
     return time.monotonic() - t0
 
 
-def baseline(url: str, model: Path, logs: Path, max_tokens: int, kill_at: int) -> dict:
+def baseline(server: RedisServer, model: Path, logs: Path, max_tokens: int, kill_at: int) -> dict:
     from rq_baseline_job import PROGRESS
 
+    url = server.url
     r = Redis.from_url(url)
     r.delete(PROGRESS)  # executions are counted from 1 in each round
     q = Queue("baseline", connection=r)
-    q.enqueue(
+    job = q.enqueue(
         "rq_baseline_job.generate",
         str(model),
         PROMPT,
@@ -174,17 +196,22 @@ def baseline(url: str, model: Path, logs: Path, max_tokens: int, kill_at: int) -
         retry=Retry(max=1),
         job_timeout=30,
     )
-    a = rq_worker(url, logs / "rq-a.log")
+    watch = Watch()  # synchronous: checked in the waiting loops
+    watch.redis(server)
+    a = watch.process(rq_worker(url, logs / "rq-a.log"), "rq worker a", logs / "rq-a.log")
     b = None
     try:
         while int(r.hget(PROGRESS, "1") or 0) < kill_at:
+            _still_running(watch, job)
             time.sleep(0.01)
+        watch.release(a)
         a.send_signal(signal.SIGKILL)
         t_kill = time.time()
         a.wait()
         lost = int(r.hget(PROGRESS, "1") or 0)
-        b = rq_worker(url, logs / "rq-b.log")
+        b = watch.process(rq_worker(url, logs / "rq-b.log"), "rq worker b", logs / "rq-b.log")
         while int(r.hget(PROGRESS, "2") or 0) < 1:
+            _still_running(watch, job)
             time.sleep(0.05)
         return {"rq_recovery_s": time.time() - t_kill, "rq_tokens_regenerated": lost}
     finally:
@@ -194,24 +221,32 @@ def baseline(url: str, model: Path, logs: Path, max_tokens: int, kill_at: int) -
                 p.wait(60)
 
 
+def _still_running(watch: Watch, job: Job) -> None:
+    """Neither worker process nor Redis is gone, and the job did not fail: an rq worker whose
+    job raised lives on, waiting for the next job, and so would this benchmark."""
+    watch.check()
+    if job.get_status(refresh=True) == JobStatus.FAILED:
+        result = job.latest_result()
+        raise Died(f"the rq job failed: {result.exc_string if result else '(no result)'}")
+
+
 def main(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from workers.tiny_model import make_tiny_model
+    from workers.demo.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
-        model = make_tiny_model(Path(tmp) / "dense", moe=False, seed=0)
+        model = args.model or make_tiny_model(Path(tmp) / "dense", moe=False, seed=0)
         run = lambda sig, tag: asyncio.run(  # noqa: E731
-            ours(server.url, model, Path(tmp), args.max_tokens, args.kill_at, sig, tag)
+            ours(server, model, Path(tmp), args.max_tokens, args.kill_at, sig, tag)
         )
         kills = [run(signal.SIGKILL, f"kill{i}") for i in range(args.rounds)]
         stops = [run(signal.SIGSTOP, f"stop{i}") for i in range(args.stop_rounds)]
         base = [
-            baseline(server.url, model, Path(tmp), args.max_tokens, args.kill_at)
+            baseline(server, model, Path(tmp), args.max_tokens, args.kill_at)
             for _ in range(args.rq_rounds)
         ]
         numsub = _commandstat(server.url, "cmdstat_pubsub|numsub")
     recovery = median(k["recovery_s"] for k in kills)
-    rq_recovery = median(b["rq_recovery_s"] for b in base)
+    rq_recovery = _median([b["rq_recovery_s"] for b in base], 3)
     return {
         "recovery_s": round(recovery, 3),
         "recovery_s_max": round(max(k["recovery_s"] for k in kills), 3),
@@ -221,10 +256,11 @@ def main(args: argparse.Namespace) -> dict:
         "reopen_s": round(median(k["reopen_s"] for k in kills), 3),
         "first_tokens_s": round(median(k["first_tokens_s"] for k in kills), 3),
         "tokens_regenerated": round(median(k["tokens_regenerated"] for k in kills), 1),
-        "rq_recovery_s": round(rq_recovery, 3),
-        "rq_tokens_regenerated": median(b["rq_tokens_regenerated"] for b in base),
-        "speedup": round(rq_recovery / recovery, 1),
-        "stop_recovery_s": round(median(s["recovery_s"] for s in stops), 3),
+        # None where a part did not run (--rq-rounds 0, --stop-rounds 0).
+        "rq_recovery_s": rq_recovery,
+        "rq_tokens_regenerated": _median([b["rq_tokens_regenerated"] for b in base], 1),
+        "speedup": None if rq_recovery is None else round(rq_recovery / recovery, 1),
+        "stop_recovery_s": _median([s["recovery_s"] for s in stops], 3),
         "stop_how": [s["how"] for s in stops],
         "stop_fenced": all(s["fenced"] for s in stops),
         "persisted_at_kill": kills[0]["persisted_at_kill"],
@@ -234,11 +270,17 @@ def main(args: argparse.Namespace) -> dict:
         "presence_numsub_usec_per_call": numsub.get("usec_per_call", 0.0),
         "lease_ttl_s": defaults.LEASE_TTL_S,
         "presence_check_s": defaults.PRESENCE_CHECK_S,
-        "presence_confirm_s": defaults.PRESENCE_CONFIRM_S,
+        # A worker's absence is confirmed over RTT_FACTOR of its round trips, within these.
+        "presence_confirm_s": [defaults.PRESENCE_CONFIRM_MIN_S, defaults.PRESENCE_CONFIRM_S],
+        "presence_rtt_factor": defaults.PRESENCE_RTT_FACTOR,
         "rq_maintenance_interval_s": 5,
         "rq_worker_ttl_s": 20,
         "rq_job_timeout_s": 30,
     }
+
+
+def _median(values: list[float], places: int) -> float | None:
+    return round(median(values), places) if values else None
 
 
 def _commandstat(url: str, name: str) -> dict:
@@ -254,7 +296,14 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=5, help="kill -9 rounds (median reported)")
     ap.add_argument("--stop-rounds", type=int, default=1, help="SIGSTOP rounds")
     ap.add_argument("--rq-rounds", type=int, default=1, help="plain rq rounds (~95 s each)")
+    ap.add_argument("--model", type=Path, help="HF model dir for the workers (default: tiny dense)")
+    ap.add_argument(
+        "--quick", action="store_true",
+        help="a tiny workload (the smoke test's): one kill round, no stop or rq round",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args()
+    if ns.quick:
+        ns.max_tokens, ns.kill_at, ns.rounds, ns.stop_rounds, ns.rq_rounds = 400, 100, 1, 0, 0
     out = main(ns)
     print(json.dumps(out) if ns.json else "\n".join(f"{k:28s} {v}" for k, v in out.items()))

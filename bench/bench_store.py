@@ -273,8 +273,11 @@ if __name__ == "__main__":
         help="alternating rounds per side (a round is ~0.5 s; the machine drifts more than that)",
     )  # fmt: skip
     ap.add_argument("--fsync", default="everysec", choices=["always", "everysec", "no"])
+    ap.add_argument("--quick", action="store_true", help="a tiny workload (the smoke test's)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args()
+    if a.quick:
+        a.rollouts, a.chunks, a.rounds = 16, 4, 1
     result = asyncio.run(main(a))
     if a.json:
         print(json.dumps(result))

@@ -57,9 +57,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from side_by_side import compare, direct, requests  # the same measurement as for the CPU engine
+from watch import Watch
 
 from store import defaults
 from store.redis_server import RedisServer
+from workers.engines.base import Engine
+
+# --quick: a tiny workload, for the smoke test (tests/bench/test_bench_vllm.py); the engine's start
+# (~20 s of CPU here) is most of its time, whatever the workload.
+QUICK = {"rollouts": 4, "max_tokens": 16, "concurrency": 4, "rounds": 2}
 
 
 def redirect_vllm_files(root: Path) -> None:
@@ -87,7 +93,7 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
     with RedisServer(tmp / "redis") as server:
         model = args.model
         if model is None:
-            from workers.tiny_model import make_tiny_model
+            from workers.demo.tiny_model import make_tiny_model
 
             model = make_tiny_model(tmp / "tiny-moe", moe=True, seed=0)
         t0 = time.perf_counter()
@@ -98,18 +104,10 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
             ),
         )
         start_s = time.perf_counter() - t0
-        reqs = requests(args.rollouts, args.max_tokens)
-        t0 = time.perf_counter()
-        await direct(engine, reqs[: args.concurrency], args.concurrency)  # warm-up (compiles)
-        warmup_s = time.perf_counter() - t0
-        stepped = {"steps": True, "generate": False}[args.interface]
-        side = await compare(
-            engine, server.url, reqs, args.concurrency, args.rounds, stepped=stepped,
-            cpu_matched=args.cpu_matched, redis_pid=server.proc.pid if server.proc else None,
-            prefetch_tokens=args.prefetch_tokens, direct_steps_side=args.direct == "steps",
-        )  # fmt: skip
-        await engine.close()
-    tokens = args.rollouts * args.max_tokens
+        try:
+            figures = await measure(engine, server, args)
+        finally:
+            await engine.close()
     return {
         "engine": "vllm (in-process, float32, enforce_eager)",
         "model": str(model),
@@ -122,12 +120,29 @@ async def main(args: argparse.Namespace, tmp: Path) -> dict:
         "direct_interface": args.direct,
         "prefetch_tokens": args.prefetch_tokens,
         "engine_start_s": round(start_s, 1),
-        "warmup_s": round(warmup_s, 1),
-        **side.figures(tokens),
+        **figures,
     }
 
 
-if __name__ == "__main__":
+async def measure(engine: Engine, server: RedisServer, args: argparse.Namespace) -> dict:
+    """The warm-up and the rounds on a started engine (the smoke test brings the tests' own:
+    starting one is most of a quick run's time)."""
+    async with Watch() as watch:
+        watch.redis(server)
+        reqs = requests(args.rollouts, args.max_tokens)
+        t0 = time.perf_counter()
+        await direct(engine, reqs[: args.concurrency], args.concurrency)  # warm-up (compiles)
+        warmup_s = time.perf_counter() - t0
+        stepped = {"steps": True, "generate": False}[args.interface]
+        side = await compare(
+            engine, server.url, reqs, args.concurrency, args.rounds, stepped=stepped,
+            cpu_matched=args.cpu_matched, redis_pid=server.proc.pid if server.proc else None,
+            prefetch_tokens=args.prefetch_tokens, direct_steps_side=args.direct == "steps",
+        )  # fmt: skip
+    return {"warmup_s": round(warmup_s, 1), **side.figures(args.rollouts * args.max_tokens)}
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="HF model dir (default: the tiny MoE, built here)")
     ap.add_argument("--rollouts", type=int, default=64)
@@ -156,8 +171,16 @@ if __name__ == "__main__":
         "--no-cpu-matched", dest="cpu_matched", action="store_false",
         help="skip the engine-alone side beside a burner taking the CPU the durable side adds",
     )  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="a tiny workload (the smoke test's)")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
+    return args
+
+
+if __name__ == "__main__":
+    a = arguments()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as d:
         redirect_vllm_files(Path(d))
         result = asyncio.run(main(a, Path(d)))

@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from watch import Died, Watch
 
 from statemachine import Finished, RolloutRequest, SamplingParams
 from store import defaults
 from store.client import RolloutClient
 from workers.engines.base import Engine, EngineRequest, Step, StepEngine, join_chunks
-from workers.runner import Stats
+from workers.outcomes import Stats
 from workers.worker import Worker, WorkerConfig
 
 
@@ -160,6 +161,8 @@ async def burst(
     t0 = time.time()
     await worker.run()
     cpu = _process_cpu() - c0
+    if worker.stats.engine_dead:
+        raise Died(f"the engine died under the burst worker: {worker.stats.engine_dead}")
     r1 = redis_cpu() if redis_cpu else 0.0
     # The end is when the last rollout's Finished was recorded, not when burst mode noticed
     # the empty queue (that waits out one blocking-pop timeout).
@@ -298,34 +301,37 @@ async def compare(
     redis_cpu = _pid_cpu(redis_pid)
     result = Comparison()
     try:
-        for r in range(rounds):
-            order = ("direct", "durable") if r % 4 in (0, 3) else ("durable", "direct")
-            if cpu_matched:
-                # Beside the durable side, on the direct side's other flank: round 0 measures
-                # the share it then matches.
-                order = (*order, "matched") if order[0] == "direct" else ("matched", *order)
-            for side in order:
-                c0 = cpu() if cpu else 0.0
-                p0 = _process_cpu()
-                if side == "matched":
-                    with Burner(statistics.median(result.added_share)):
-                        seconds, _ = await alone(engine, reqs, concurrency)
-                    result.matched_s.append(seconds)
-                    continue
-                if side == "direct":
-                    seconds, ref = await alone(engine, reqs, concurrency)
-                    result.direct_cpu.append(_process_cpu() - p0)
-                    result.alone_cpu.append(result.direct_cpu[-1])
-                else:
-                    seconds, got = await _durable_side(worker, client, reqs, result, redis_cpu)
-                    result.durable_cpu.append(_process_cpu() - p0)  # the client's reads too
-                (result.direct_s if side == "direct" else result.durable_s).append(seconds)
-                if cpu:
-                    busy = (cpu() - c0) / seconds
-                    (result.direct_busy if side == "direct" else result.durable_busy).append(busy)
-            assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), (
-                "durable != direct"
-            )
+        async with Watch() as watch:
+            watch.task(running, "the side-by-side worker")
+            for r in range(rounds):
+                order = ("direct", "durable") if r % 4 in (0, 3) else ("durable", "direct")
+                if cpu_matched:
+                    # Beside the durable side, on the direct side's other flank: round 0 measures
+                    # the share it then matches.
+                    order = (*order, "matched") if order[0] == "direct" else ("matched", *order)
+                for side in order:
+                    c0 = cpu() if cpu else 0.0
+                    p0 = _process_cpu()
+                    if side == "matched":
+                        with Burner(statistics.median(result.added_share)):
+                            seconds, _ = await alone(engine, reqs, concurrency)
+                        result.matched_s.append(seconds)
+                        continue
+                    if side == "direct":
+                        seconds, ref = await alone(engine, reqs, concurrency)
+                        result.direct_cpu.append(_process_cpu() - p0)
+                        result.alone_cpu.append(result.direct_cpu[-1])
+                    else:
+                        seconds, got = await _durable_side(worker, client, reqs, result, redis_cpu)
+                        result.durable_cpu.append(_process_cpu() - p0)  # the client's reads too
+                    (result.direct_s if side == "direct" else result.durable_s).append(seconds)
+                    if cpu:
+                        busy = result.direct_busy if side == "direct" else result.durable_busy
+                        busy.append((cpu() - c0) / seconds)
+                assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), (
+                    "durable != direct"
+                )
+            watch.release(running)
     finally:
         worker.request_stop()
         with contextlib.suppress(Exception):
@@ -439,8 +445,11 @@ class _Counting(dict[str, int]):
 async def _last_finish(client: RolloutClient, ids: list[str]) -> float:
     t1 = 0.0
     for rid in ids:
-        events = await client.store.events(rid)
-        t1 = max(t1, *(e.at for e in events if isinstance(e, Finished)))
+        finished = [e.at for e in await client.store.events(rid) if isinstance(e, Finished)]
+        if not finished:
+            state = await client.store.load(rid)
+            raise RuntimeError(f"rollout {rid} did not finish: {state.status.value}, {state.error}")
+        t1 = max(t1, *finished)
     return t1
 
 

@@ -18,6 +18,7 @@ from statemachine.errors import (
     OffsetMismatch,
     SequenceGap,
     StateMachineError,
+    TopLogprobsMismatch,
     TransitionError,
     UnknownEventType,
     UnsupportedSchema,
@@ -35,7 +36,7 @@ from statemachine.events import (
     TokensAppended,
     fence_of,
 )
-from statemachine.request import DEFAULT_QUEUE, RolloutRequest, SamplingParams
+from statemachine.request import DEFAULT_QUEUE, MAX_LOGPROBS, RolloutRequest, SamplingParams
 from statemachine.rollout_state import RolloutState
 from statemachine.status import (
     LIVE,
@@ -53,6 +54,7 @@ __all__ = [
     "DEFAULT_QUEUE",
     "EVENT_TYPES",
     "LIVE",
+    "MAX_LOGPROBS",
     "TERMINAL",
     "TRANSITIONS",
     "WAITING",
@@ -85,6 +87,7 @@ __all__ = [
     "Status",
     "Submitted",
     "TokensAppended",
+    "TopLogprobsMismatch",
     "TransitionError",
     "UnknownEventType",
     "UnsupportedSchema",

@@ -19,6 +19,10 @@ LOGPROB_DTYPE = np.dtype("<f4")
 VERSION_DTYPE = np.dtype("<i8")
 ROUTE_DTYPES = (np.dtype("u1"), np.dtype("<u2"), np.dtype("<u4"))
 
+_ALLOWED_DTYPES = {dt.str: dt for dt in (TOKEN_DTYPE, LOGPROB_DTYPE, VERSION_DTYPE, *ROUTE_DTYPES)}
+# uint8 has no byte order; numpy spells it "|u1".
+_ALLOWED_DTYPES["|u1"] = np.dtype("u1")
+
 # What a NaN or infinite logprob from an engine is replaced with (SkyRL uses the same floor).
 LOGPROB_FLOOR = -9999.0
 
@@ -86,3 +90,40 @@ def concat(parts: list[npt.NDArray[Any]], dtype: np.dtype[Any], tail: tuple[int,
     if not parts:
         return np.empty((0, *tail), dtype=dtype)
     return np.concatenate(parts)
+
+
+# -- the stored form of an array: [dtype, shape, raw little-endian bytes] (``codec``) ---------
+
+
+def pack_array(arr: npt.NDArray[Any]) -> list[Any]:
+    # A byte view, not tobytes(): msgpack copies the bytes into the record once, not twice.
+    dtype = arr.dtype
+    if dtype.byteorder != ">" and arr.flags.c_contiguous:
+        # An event's arrays always are: no conversion call (half this function's time).
+        return [dtype.str, list(arr.shape), memoryview(arr).cast("B")]  # type: ignore[arg-type]
+    le = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+    data = memoryview(np.ascontiguousarray(arr, dtype=le)).cast("B")  # type: ignore[arg-type]
+    return [le.str, list(arr.shape), data]
+
+
+def unpack_array(packed: Any) -> npt.NDArray[Any]:
+    """Inverse of ``pack_array``; refuses any dtype, shape or byte count that does not add up."""
+    if not isinstance(packed, list | tuple) or len(packed) != 3:
+        raise ValueError("array must be [dtype, shape, bytes]")
+    dtype_str, shape, data = packed
+    dtype = _ALLOWED_DTYPES.get(dtype_str)
+    if dtype is None:
+        raise ValueError(f"array dtype {dtype_str!r} is not allowed")
+    if not isinstance(shape, list | tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ValueError(f"bad array shape {shape!r}")
+    if not isinstance(data, bytes):
+        raise ValueError("array data must be bytes")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(
+            f"array of shape {tuple(shape)} {dtype} needs {expected} bytes, got {len(data)}"
+        )
+    # frombuffer over immutable bytes: zero-copy and read-only, as events require.
+    return np.frombuffer(data, dtype=dtype).reshape(shape)

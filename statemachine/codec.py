@@ -17,8 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
-import numpy as np
-import numpy.typing as npt
 
 try:
     # zlib-ng's CRC-32 is zlib's (same polynomial, same values: records written either way read
@@ -29,7 +27,8 @@ try:
 except ImportError:  # pragma: no cover
     from zlib import crc32
 
-from statemachine.arrays import LOGPROB_DTYPE, ROUTE_DTYPES, TOKEN_DTYPE, VERSION_DTYPE
+# pack_array/unpack_array live with the dtypes they allow (arrays.py).
+from statemachine.arrays import pack_array, unpack_array
 from statemachine.errors import (
     CorruptRecord,
     StateMachineError,
@@ -56,49 +55,13 @@ EVENT_MAGIC = b"R"
 SNAPSHOT_MAGIC = b"S"
 # v2 appends the model of the rollout's attempts; a v1 head decodes with model "" (unknown).
 # v3 appends the failure class of a failed rollout; a v2 head infers it (``_legacy_failure``).
-SNAPSHOT_SCHEMA = 3
-_ALLOWED_DTYPES = {dt.str: dt for dt in (TOKEN_DTYPE, LOGPROB_DTYPE, VERSION_DTYPE, *ROUTE_DTYPES)}
-# uint8 has no byte order; numpy spells it "|u1".
-_ALLOWED_DTYPES["|u1"] = np.dtype("u1")
+# v4 is v3's layout, written only for a head whose abort reason is ``paused`` (``encode_snapshot``):
+# code that predates the reason refuses such a head as newer (``UnsupportedSchema``, left to a
+# newer worker) instead of calling it corrupt; every other head is still written as v3.
+SNAPSHOT_SCHEMA = 4
+_SNAPSHOT_READ = frozenset({3, 4})
 
 Fields = dict[str, Any]
-
-
-# -- arrays -------------------------------------------------------------------------------------
-
-
-def pack_array(arr: npt.NDArray[Any]) -> list[Any]:
-    # A byte view, not tobytes(): msgpack copies the bytes into the record once, not twice.
-    dtype = arr.dtype
-    if dtype.byteorder != ">" and arr.flags.c_contiguous:
-        # An event's arrays always are: no conversion call (half this function's time).
-        return [dtype.str, list(arr.shape), memoryview(arr).cast("B")]  # type: ignore[arg-type]
-    le = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
-    data = memoryview(np.ascontiguousarray(arr, dtype=le)).cast("B")  # type: ignore[arg-type]
-    return [le.str, list(arr.shape), data]
-
-
-def unpack_array(packed: Any) -> npt.NDArray[Any]:
-    """Inverse of ``pack_array``; refuses any dtype, shape or byte count that does not add up."""
-    if not isinstance(packed, list | tuple) or len(packed) != 3:
-        raise ValueError("array must be [dtype, shape, bytes]")
-    dtype_str, shape, data = packed
-    dtype = _ALLOWED_DTYPES.get(dtype_str)
-    if dtype is None:
-        raise ValueError(f"array dtype {dtype_str!r} is not allowed")
-    if not isinstance(shape, list | tuple) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise ValueError(f"bad array shape {shape!r}")
-    if not isinstance(data, bytes):
-        raise ValueError("array data must be bytes")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(data) != expected:
-        raise ValueError(
-            f"array of shape {tuple(shape)} {dtype} needs {expected} bytes, got {len(data)}"
-        )
-    # frombuffer over immutable bytes: zero-copy and read-only, as events require.
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 # -- per-type fields ----------------------------------------------------------------------------
@@ -123,11 +86,29 @@ def _tokens_fields(e: TokensAppended) -> Fields:
         "weight_versions": pack_array(e.weight_versions),
         "routed_experts": None if e.routed_experts is None else pack_array(e.routed_experts),
         "nonfinite_logprobs": e.nonfinite_logprobs,
+        **_top_fields(e),
     }
 
 
+def _top_fields(e: TokensAppended) -> Fields:
+    """The top-k arrays, only when the chunk has them: a chunk without them is stored as a v1
+    record, byte for byte what it was before they existed (``_tokens_version``)."""
+    if e.top_token_ids is None or e.top_logprobs is None:
+        return {}
+    return {
+        "top_token_ids": pack_array(e.top_token_ids),
+        "top_logprobs": pack_array(e.top_logprobs),
+    }
+
+
+def _tokens_version(e: TokensAppended) -> int:
+    """v2 only for a chunk with top-k arrays: a reader that predates them refuses such a record
+    (``UnsupportedSchema``) instead of reading it without its top-k."""
+    return 1 if e.top_token_ids is None else 2
+
+
 def _tokens_from(f: Fields) -> Fields:
-    routes = f["routed_experts"]
+    routes, top_ids, top_lps = f["routed_experts"], f["top_token_ids"], f["top_logprobs"]
     return {
         "attempt": f["attempt"],
         "offset": f["offset"],
@@ -136,6 +117,8 @@ def _tokens_from(f: Fields) -> Fields:
         "weight_versions": unpack_array(f["weight_versions"]),
         "routed_experts": None if routes is None else unpack_array(routes),
         "nonfinite_logprobs": f["nonfinite_logprobs"],
+        "top_token_ids": None if top_ids is None else unpack_array(top_ids),
+        "top_logprobs": None if top_lps is None else unpack_array(top_lps),
     }
 
 
@@ -160,10 +143,10 @@ REGISTRY: dict[str, _Codec] = {
     ),
     "started": (Started, 2, _attempt_fields, dict),
     "resumed": (Resumed, 2, _attempt_fields, dict),
-    "tokens_appended": (TokensAppended, 1, _tokens_fields, _tokens_from),
+    "tokens_appended": (TokensAppended, 2, _tokens_fields, _tokens_from),
     "aborted": (
         Aborted,
-        2,
+        3,
         lambda e: {"attempt": e.attempt, "reason": e.reason.value, "detail": e.detail},
         lambda f: {**f, "reason": AbortReason(f["reason"])},
     ),
@@ -188,6 +171,11 @@ REGISTRY: dict[str, _Codec] = {
 _NAME_OF: dict[type[Event], str] = {cls: name for name, (cls, *_rest) in REGISTRY.items()}
 
 
+def _no_top_logprobs(f: Fields) -> Fields:
+    """tokens_appended v1 -> v2: a v1 chunk has no top-k arrays (its request asked for none)."""
+    return {**f, "top_token_ids": None, "top_logprobs": None}
+
+
 def _queue_recorded(f: Fields) -> Fields:
     """submitted v1 -> v2: v1 did not record the queue. Such rollouts were submitted by code
     that, unless told otherwise, used the default queue: the best guess there is."""
@@ -207,6 +195,12 @@ def _engine_dead_named(f: Fields) -> Fields:
     if f.get("reason") == "engine_error" and str(f.get("detail", "")).startswith("EngineDead:"):
         return {**f, "reason": "engine_dead"}
     return f
+
+
+def _aborted_version(e: Aborted) -> int:
+    """v3 (it adds the ``paused`` reason) only for that reason, as ``_tokens_version`` does:
+    older code refuses it as newer (a newer worker runs it), never as corrupt."""
+    return 3 if e.reason is AbortReason.PAUSED else 2
 
 
 def _no_batch(f: Fields) -> Fields:
@@ -237,6 +231,13 @@ UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {
     ("started", 1): _model_recorded,
     ("resumed", 1): _model_recorded,
     ("aborted", 1): _engine_dead_named,
+    ("aborted", 2): dict,  # v3 adds a reason value, no field
+    ("tokens_appended", 1): _no_top_logprobs,
+}
+# Event types whose version depends on the event (the rest always write the current one).
+_VERSION_OF: dict[type[Event], Callable[[Any], int]] = {
+    TokensAppended: _tokens_version,
+    Aborted: _aborted_version,
 }
 
 
@@ -246,6 +247,9 @@ UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {
 def encode(event: Event) -> bytes:
     name = _NAME_OF[type(event)]
     _, version, to_fields, _ = REGISTRY[name]
+    versioned = _VERSION_OF.get(type(event))
+    if versioned is not None:
+        version = versioned(event)
     body = msgpack.packb(
         [name, version, event.rollout_id, event.seq, event.at, to_fields(event)],
         use_bin_type=True,
@@ -311,7 +315,7 @@ def _upcast(name: str, version: int, current: int, fields: Fields, rid: Any, seq
 def encode_snapshot(state: RolloutState) -> bytes:
     body = msgpack.packb(
         [
-            SNAPSHOT_SCHEMA,
+            SNAPSHOT_SCHEMA if state.abort_reason is AbortReason.PAUSED else 3,
             state.rollout_id,
             state.seq,
             state.status.value,
@@ -369,7 +373,7 @@ def decode_snapshot(
     except (TypeError, ValueError):
         # Wrong arity: the head was not written by this code.
         raise CorruptRecord("bad snapshot layout", rollout_id=rollout_id) from None
-    if version != SNAPSHOT_SCHEMA:
+    if version not in _SNAPSHOT_READ:
         raise UnsupportedSchema(f"snapshot schema v{version}", rollout_id=rollout_id, seq=seq)
     if rid != rollout_id:
         raise CorruptRecord(f"snapshot says rollout {rid!r}", rollout_id=rollout_id)

@@ -38,13 +38,16 @@ class NewTokens:
     """Tokens an attempt produced since its last checkpoint, as arrays of equal length.
 
     ``logprobs`` are as stored (non-finite values already clamped; ``nonfinite_logprobs``
-    counts them); ``weight_versions`` has one entry per token."""
+    counts them); ``weight_versions`` has one entry per token; ``top_token_ids`` and
+    ``top_logprobs`` are ``[tokens, k]`` when the request asked for ``logprobs=k``."""
 
     token_ids: npt.NDArray[np.int32]
     logprobs: npt.NDArray[np.float32]
     weight_versions: npt.NDArray[np.int64]
     routed_experts: npt.NDArray[Any] | None = None
     nonfinite_logprobs: int = 0
+    top_token_ids: npt.NDArray[np.int32] | None = None
+    top_logprobs: npt.NDArray[np.float32] | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -185,4 +188,6 @@ def _tokens(state: RolloutState, tokens: NewTokens, seq: int) -> TokensAppended:
         weight_versions=tokens.weight_versions,
         routed_experts=tokens.routed_experts,
         nonfinite_logprobs=tokens.nonfinite_logprobs,
+        top_token_ids=tokens.top_token_ids,
+        top_logprobs=tokens.top_logprobs,
     )

@@ -49,6 +49,11 @@ class BudgetExceeded(TransitionError):
     """Appended tokens would exceed the request's ``max_tokens``."""
 
 
+class TopLogprobsMismatch(TransitionError):
+    """Appended tokens carry top-k logprobs of another width than the request's ``logprobs``
+    (or carry them when it asked for none, or lack them when it asked)."""
+
+
 class CodecError(StateMachineError):
     """A stored record cannot be decoded. Names the rollout and sequence number when known."""
 

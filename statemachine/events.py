@@ -133,6 +133,10 @@ class TokensAppended(Event):
     ``routed_experts`` is ``[tokens, moe_layers, top_k]`` for MoE models, else None.
     ``nonfinite_logprobs`` counts logprobs the engine returned as NaN/inf, which the worker
     stored as ``LOGPROB_FLOOR`` instead (so the trainer can tell a clamped value from a real one).
+    ``top_token_ids``/``top_logprobs`` are ``[tokens, k]`` for a request with ``logprobs=k``:
+    the k most likely tokens at each position, most likely first, and their raw logprobs (as
+    vLLM's top-k list: the sampled token is among them when it ranks within k); both None
+    when k is 0, which is what a record without them decodes as.
     """
 
     attempt: int
@@ -142,6 +146,8 @@ class TokensAppended(Event):
     weight_versions: npt.NDArray[np.int64]
     routed_experts: npt.NDArray[Any] | None = None
     nonfinite_logprobs: int = 0
+    top_token_ids: npt.NDArray[np.int32] | None = None
+    top_logprobs: npt.NDArray[np.float32] | None = None
 
     def __post_init__(self) -> None:
         Event.__post_init__(self)
@@ -165,6 +171,28 @@ class TokensAppended(Event):
             if routes.shape[0] != n:
                 raise InvalidEvent(f"{n} token ids but {routes.shape[0]} routed-expert rows")
             object.__setattr__(self, "routed_experts", routes)
+        if self.top_token_ids is not None or self.top_logprobs is not None:
+            self._check_top(n)
+
+    def _check_top(self, n: int) -> None:
+        if self.top_token_ids is None or self.top_logprobs is None:
+            raise InvalidEvent("top_token_ids and top_logprobs come together or not at all")
+        top_ids = frozen(self.top_token_ids, TOKEN_DTYPE, "top_token_ids", ndim=2)
+        top_lps = frozen(self.top_logprobs, LOGPROB_DTYPE, "top_logprobs", ndim=2)
+        if top_ids.shape != top_lps.shape or top_ids.shape[0] != n or top_ids.shape[1] < 1:
+            raise InvalidEvent(
+                f"{n} token ids but top_token_ids {top_ids.shape} and top_logprobs "
+                f"{top_lps.shape}; both must be [{n}, k] with k >= 1"
+            )
+        if int(top_ids.min()) < 0:
+            raise InvalidEvent("top token ids must be >= 0")
+        object.__setattr__(self, "top_token_ids", top_ids)
+        object.__setattr__(self, "top_logprobs", top_lps)
+
+    @property
+    def top_k(self) -> int:
+        """How many alternatives each token carries (0: none recorded)."""
+        return 0 if self.top_token_ids is None else int(self.top_token_ids.shape[1])
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -181,6 +209,8 @@ class TokensAppended(Event):
             and self.logprobs.tobytes() == other.logprobs.tobytes()
             and _same(self.weight_versions, other.weight_versions)
             and _same(self.routed_experts, other.routed_experts)
+            and _same(self.top_token_ids, other.top_token_ids)
+            and _bits(self.top_logprobs) == _bits(other.top_logprobs)
         )
 
     __hash__ = None  # type: ignore[assignment]  # holds arrays
@@ -221,6 +251,10 @@ class Cancelled(Event):
     reason: str = ""
 
 
+def _bits(a: npt.NDArray[Any] | None) -> bytes | None:
+    return None if a is None else a.tobytes()
+
+
 def _same(a: npt.NDArray[Any] | None, b: npt.NDArray[Any] | None) -> bool:
     if a is None or b is None:
         return a is b
@@ -231,8 +265,17 @@ def _same(a: npt.NDArray[Any] | None, b: npt.NDArray[Any] | None) -> bool:
 ATTEMPT_SCOPED = (TokensAppended, Aborted, Finished)
 
 
+# Events that open an attempt: the store accepts them only while no attempt is live.
+ATTEMPT_OPENING = (Started, Resumed)
+
+
 def fence_of(event: Event) -> int | None:
-    """The attempt that must be live for this event to be accepted, if it is attempt-scoped."""
+    """The attempt that must be live for this event to be accepted: its own for an
+    attempt-scoped event, none (0) for one that opens an attempt, so that no view of the
+    rollout, however it was computed, opens a second attempt over a live one; None for an
+    event the store does not fence."""
     if isinstance(event, ATTEMPT_SCOPED):
         return event.attempt
+    if isinstance(event, ATTEMPT_OPENING):
+        return 0
     return None

@@ -15,6 +15,10 @@ from statemachine.errors import InvalidRequest
 # seed or token budget beyond int64 means anything, and numpy/torch/vLLM hold them as int64.
 INT_MAX = 2**63 - 1
 
+# Most top-k alternatives a request may ask per token (``SamplingParams.logprobs``): vLLM's
+# default ``max_logprobs``, so every engine serves any k a request may hold.
+MAX_LOGPROBS = 20
+
 # The rq queue a rollout goes to when the submitter names none (``store.defaults.QUEUE_NAME``).
 DEFAULT_QUEUE = "rollouts"
 
@@ -22,7 +26,7 @@ DEFAULT_QUEUE = "rollouts"
 # (strings, numbers, booleans, None, lists and string-keyed maps of them), so it can never
 # smuggle objects (and so never needs pickle). Its size is capped at submit.
 MetadataValue = Any
-_METADATA_DEPTH = 8
+METADATA_DEPTH = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,7 +40,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int = 0  # extra top-k logprobs asked of the engine; the sampled one is always kept
+    # vLLM's ``logprobs=k``: besides the sampled token's logprob (always kept), the k most
+    # likely tokens at each position and their logprobs, recorded per token (0: none).
+    logprobs: int = 0
     # What to do when prompt + max_tokens exceeds the model's context (known only on the
     # worker): False fails the rollout at once with request_error; True generates what fits,
     # and the rollout may end with ``length`` before max_tokens.
@@ -65,6 +71,8 @@ class SamplingParams:
         if not isinstance(self.cap_to_context, bool):
             raise InvalidRequest("cap_to_context must be a bool")
         _check_int("logprobs", self.logprobs, minimum=0)
+        if self.logprobs > MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
 
     def to_dict(self) -> dict[str, Any]:
         # cap_to_context only when set: records (and submit fingerprints) of requests that do
@@ -238,8 +246,8 @@ def _check_float(
 
 
 def _check_metadata(where: str, value: object, depth: int) -> None:
-    if depth > _METADATA_DEPTH:
-        raise InvalidRequest(f"{where}: nested deeper than {_METADATA_DEPTH} levels")
+    if depth > METADATA_DEPTH:
+        raise InvalidRequest(f"{where}: nested deeper than {METADATA_DEPTH} levels")
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):

@@ -98,6 +98,30 @@ class RolloutState:
         return result
 
     @property
+    def top_token_ids(self) -> npt.NDArray[np.int32] | None:
+        """``[tokens, k]``: each token's k most likely tokens, most likely first; None when the
+        request asked for none (``logprobs=0``). Every chunk of a rollout that asked carries
+        them (``transitions`` refuses one that does not)."""
+        k = self.request.sampling.logprobs
+        if not k:
+            return None
+        result: npt.NDArray[np.int32] = concat(
+            [c.top_token_ids for c in self.chunks if c.top_token_ids is not None], TOKEN_DTYPE, (k,)
+        )
+        return result
+
+    @property
+    def top_logprobs(self) -> npt.NDArray[np.float32] | None:
+        """``[tokens, k]``: the raw logprobs of ``top_token_ids``; None when none were asked."""
+        k = self.request.sampling.logprobs
+        if not k:
+            return None
+        result: npt.NDArray[np.float32] = concat(
+            [c.top_logprobs for c in self.chunks if c.top_logprobs is not None], LOGPROB_DTYPE, (k,)
+        )
+        return result
+
+    @property
     def nonfinite_logprobs(self) -> int:
         """How many logprobs were NaN/inf from the engine and stored as the floor."""
         return sum(c.nonfinite_logprobs for c in self.chunks)

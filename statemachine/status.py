@@ -28,6 +28,9 @@ class AbortReason(StrEnum):
     ENGINE_ERROR = "engine_error"  # the engine failed on this rollout: counts against its budget
     ENGINE_DEAD = "engine_dead"  # the engine died under it: not the rollout's fault, no charge
     CANCELLED = "cancelled"
+    # The deployment was paused with mode=abort (a harness's ``POST /pause``): not the
+    # rollout's fault, no charge; it resumes from its saved tokens after ``/resume``.
+    PAUSED = "paused"
 
 
 class FinishReason(StrEnum):

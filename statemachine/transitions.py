@@ -11,6 +11,7 @@ from statemachine.errors import (
     ModelMismatch,
     OffsetMismatch,
     SequenceGap,
+    TopLogprobsMismatch,
 )
 from statemachine.events import (
     Aborted,
@@ -133,6 +134,15 @@ def _tokens(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     if e.offset != s.num_tokens:
         raise OffsetMismatch(
             e.rollout_id, e.seq, f"offset {e.offset} but {s.num_tokens} tokens so far"
+        )
+    if e.top_k != s.request.sampling.logprobs:
+        # Every token of a rollout carries the top-k its request asked for, or none: a result
+        # never has some tokens without them (or ragged widths).
+        raise TopLogprobsMismatch(
+            e.rollout_id,
+            e.seq,
+            f"chunk carries top-{e.top_k} logprobs; the request asked for "
+            f"logprobs={s.request.sampling.logprobs}",
         )
     n = len(e)
     if s.num_tokens + n > s.request.sampling.max_tokens:

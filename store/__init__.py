@@ -10,6 +10,7 @@ from store.errors import (
     SequenceConflict,
     StaleAttempt,
     StoreError,
+    StoreUnwritable,
 )
 from store.event_store import EventStore
 from store.keys import Keys
@@ -24,4 +25,5 @@ __all__ = [
     "SequenceConflict",
     "StaleAttempt",
     "StoreError",
+    "StoreUnwritable",
 ]

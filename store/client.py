@@ -17,28 +17,31 @@ A training step::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from statemachine import GroupPolicy, RolloutState, SamplingParams
-from store import batches, completions, defaults, lifecycle, submission
+from store import batches, bulk, completions, defaults, lifecycle, sessions, submission, waiting
 from store.batches import BatchConflict, BatchInfo
-from store.completions import WaitTimeout
+from store.completions import UnknownPosition, WaitTimeout
 from store.connection import connect, connect_sync
-from store.errors import RolloutNotFound
+from store.errors import GroupNotFound, RolloutNotFound, StoreUnwritable, named, named_stream
 from store.event_store import EventStore
 from store.keys import Keys
 from store.lifecycle import AckReport, RolloutEnded
-from store.queue import rollout_queue
+from store.queue import JobWriter, rollout_queue
 from store.results import GroupResult, RolloutResult, Tokenizer
+from store.sessions import SessionCall
 from store.stats import Stats, read_stats
-from store.submission import ChatTemplater, Prompt, Submission
+from store.submission import Batch, ChatTemplater, Prompt
 from store.weights import WeightRegistry, WeightVersion
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 __all__ = [
     "AckReport",
@@ -46,23 +49,12 @@ __all__ = [
     "BatchConflict",
     "RolloutClient",
     "RolloutEnded",
+    "SessionCall",
+    "StoreUnwritable",
     "SyncRolloutClient",
+    "UnknownPosition",
     "WaitTimeout",
 ]
-
-
-class Batch(list[str]):
-    """The rollout ids of one submit (group-major: the samples of prompt 0, then of prompt
-    1, ...), with the batch they belong to."""
-
-    def __init__(self, s: Submission) -> None:
-        super().__init__(s.ids)
-        self.batch_id = s.batch_id
-        self.group_size = s.group_size
-
-    def groups(self) -> list[list[str]]:
-        n = self.group_size
-        return [self[i : i + n] for i in range(0, len(self), n)]
 
 
 class RolloutClient:
@@ -82,11 +74,13 @@ class RolloutClient:
         self.weights = WeightRegistry(self.redis, keys)
         # rq is synchronous: it gets its own (sync) connection, used from a thread.
         self._queue = rollout_queue(connect_sync(url), queue_name)
+        self._jobs: JobWriter | None = None
         self.tokenizer = tokenizer
         self.retention_s = int(retention_s)
         self.max_tokens_cap = max_tokens_cap
 
     # -- submit -------------------------------------------------------------------------------
+    @named
     async def submit(
         self,
         prompts: Sequence[Prompt],
@@ -96,6 +90,7 @@ class RolloutClient:
         batch_id: str | None = None,
         ids: Sequence[str] | None = None,
         group_policy: GroupPolicy | str = GroupPolicy.SAMPLE,
+        session: str | None = None,
     ) -> Batch:
         """Record ``n`` samples of each prompt and enqueue them; returns their ids.
 
@@ -103,8 +98,8 @@ class RolloutClient:
         idempotency key: a retried submit under it returns the same ids and enqueues nothing
         new; a different submission under it raises ``BatchConflict``. Named ``ids`` make a
         retry idempotent too. Everything checkable without the model is checked first; a
-        refused submit writes nothing (see ``store.batches`` for how nothing is stranded)."""
-        latest = await self.weights.latest()
+        refused submit writes nothing (see ``store.batches`` for how nothing is stranded).
+        ``session``: the batch is a call of that session (``session``, ``store.sessions``)."""
         templater: ChatTemplater | None = self.tokenizer  # type: ignore[assignment]
         s = submission.build(
             prompts,
@@ -114,21 +109,27 @@ class RolloutClient:
             ids=ids,
             group_policy=group_policy,
             queue=self._queue.name,
-            admitted_version=latest.version if latest is not None else 0,
+            admitted_version=0,  # the newest published when recorded (store.batches)
             at=time.time(),
             tokenizer=templater,
             max_tokens_cap=self.max_tokens_cap,
         )
-        await asyncio.to_thread(
-            batches.record,
-            self._queue.connection,
-            self._queue,
-            self.store,
-            s,
-            named_ids=ids is not None,
-            retention_s=self.retention_s,
+        if self._jobs is None:  # rq's job template, made once (it asks Redis: in a thread)
+            self._jobs = await asyncio.to_thread(JobWriter, self._queue)
+        # Before the batch is recorded (store.sessions says why); checks the session id.
+        noted, affinity = await sessions.begin(
+            self.redis, self.keys, session, s.batch_id, self.retention_s
         )
-        return Batch(s)
+        try:
+            # Shielded: a cancelled caller leaves the record to finish, not half written.
+            created = await asyncio.shield(batches.record_async(
+                self.redis, self._queue, self.store, s, ids is not None, self.retention_s,
+                affinity, self._jobs))  # fmt: skip
+        except BatchConflict:
+            if noted:  # nothing of this submit was written: nor is its session's entry
+                await sessions.unnote(self.redis, self.keys, session, s.batch_id)  # type: ignore[arg-type]
+            raise
+        return Batch(s, fresh=created)
 
     # -- batches ------------------------------------------------------------------------------
     async def batch(self, batch_id: str) -> BatchInfo:
@@ -137,6 +138,7 @@ class RolloutClient:
             raise RolloutNotFound(f"batch {batch_id}")
         return found
 
+    @named
     async def batches(self) -> list[str]:
         """Every batch still recorded, oldest first: what a restarted trainer re-attaches to."""
         ids = await self.redis.zrange(self.keys.batches(), 0, -1)
@@ -151,7 +153,14 @@ class RolloutClient:
             await self.redis.zrem(self.keys.batches(), *gone)
         return [b.decode() for b, a in zip(ids, alive, strict=True) if a]
 
+    @named
+    async def session(self, session_id: str) -> list[SessionCall]:
+        """A session's calls in the order they were made, with their rollouts' states; calls
+        acknowledged or expired are left out (an unknown session has none)."""
+        return await sessions.listing(self.redis, self.keys, session_id)
+
     # -- results ------------------------------------------------------------------------------
+    @named_stream
     async def results(
         self,
         batch_id: str,
@@ -162,7 +171,8 @@ class RolloutClient:
     ) -> AsyncIterator[RolloutResult]:
         """Each rollout of the batch as it ends (done, failed or cancelled), in the order
         they ended, until all have been delivered. ``after`` resumes after a result's
-        ``position``; rollouts acknowledged before they were delivered are skipped.
+        ``position`` (one that is no position of the batch raises ``UnknownPosition``);
+        rollouts acknowledged before they were delivered are skipped.
         ``take=k``: the rollouts of the first ``k`` groups to finish, a group at a time, and
         the rest of the batch is cancelled (see ``groups``)."""
         if take is not None:
@@ -173,6 +183,7 @@ class RolloutClient:
                     yield r
             return
         info = await self.batch(batch_id)
+        await completions.check_position(self.redis, self.keys, batch_id, after)
         wanted = set(info.ids) - await completions.delivered_before(
             self.redis, self.keys, batch_id, after
         )
@@ -181,9 +192,12 @@ class RolloutClient:
             self.redis, self.keys, batch_id, wanted, after=after, timeout=timeout, gone=self._gone
         ):
             ids = [c.rollout_id for c in block]
-            for result in await self._results(ids, [c.position for c in block]):
+            # An ack may land between the block's XREAD and this read: those rollouts are
+            # skipped, as the ones acknowledged before the read are.
+            for result in await self._results(ids, [c.position for c in block], skip_gone=True):
                 yield result
 
+    @named_stream
     async def groups(
         self,
         batch_id: str,
@@ -208,35 +222,36 @@ class RolloutClient:
             yield GroupResult(batch_id, r.group_index, _ordered(members), info.group_size)
             yielded += 1
             if take is not None and yielded >= take:
-                await self.cancel(batch_id=batch_id, reason=f"take={take} reached")
+                # RolloutNotFound: the batch was acknowledged whole meanwhile, which only
+                # happens once every rollout of it ended: nothing is left to cancel.
+                with contextlib.suppress(RolloutNotFound):
+                    await self.cancel(batch_id=batch_id, reason=f"take={take} reached")
                 return
         # Groups some of whose samples were acknowledged or expired before delivery.
         for g in sorted(pending):
             yield GroupResult(batch_id, g, _ordered(pending[g]), info.group_size)
 
+    @named
     async def wait(
         self, ids: Sequence[str], *, timeout: float | None = None
     ) -> list[RolloutResult]:
         """Block until every rollout of ``ids`` ended; results in ``ids`` order. A thin layer
-        over the completion streams: rollouts that ended already are read at once."""
+        over the completion streams: rollouts that ended already are read at once. A batch
+        this client's ``submit`` just created (``Batch.fresh``) is followed from its stream's
+        start, without reading its rollouts' heads first."""
         order = list(dict.fromkeys(ids))
-        heads = await lifecycle.heads(self.store, order)
-        by_batch: dict[str, list[str]] = defaultdict(list)
-        for rid, h in zip(order, heads, strict=True):
-            if isinstance(h, RolloutNotFound):
-                raise h
-            if isinstance(h, RolloutState) and not h.terminal:
-                by_batch[h.membership.batch_id].append(rid)
+        by_batch = await waiting.by_batch(self.store, ids, order)
         deadline = None if timeout is None else time.monotonic() + timeout
-        for batch_id, waiting in by_batch.items():
+        for batch_id, running in by_batch.items():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             async for _ in completions.follow(
-                self.redis, self.keys, batch_id, waiting, timeout=left, gone=self._gone
+                self.redis, self.keys, batch_id, running, timeout=left, gone=self._gone
             ):
                 pass
         found = dict(zip(order, await self._results(order), strict=True))
         return [found[rid] for rid in ids]
 
+    @named
     async def result(self, rollout_id: str) -> RolloutResult:
         return RolloutResult.from_state(await self.store.load(rollout_id), self.tokenizer)
 
@@ -244,39 +259,55 @@ class RolloutClient:
         return [s.value for s in await self.store.statuses(ids)]
 
     # -- cancel and acknowledge ---------------------------------------------------------------
+    @named
     async def cancel(
         self,
         ids: Sequence[str] | None = None,
         *,
         batch_id: str | None = None,
         group: int | None = None,
+        session: str | None = None,
         reason: str = "cancelled by the trainer",
     ) -> list[str]:
-        """Cancel rollouts: ``ids``, a whole batch, or one group of it (``batch_id`` and
-        ``group``). Returns the ids cancelled. Naming an ended rollout in ``ids`` raises
-        ``RolloutEnded`` and cancels nothing; a batch or group cancel skips ended ones."""
+        """Cancel rollouts: ``ids``, a whole batch, one group of it (``batch_id`` and
+        ``group``), or every call of a ``session``. Returns the ids cancelled. Naming an ended
+        rollout in ``ids`` raises ``RolloutEnded`` and cancels nothing; the others skip ended
+        ones."""
+        if session is not None:
+            sessions.alone(ids, batch_id, group)
+            targets = await sessions.rollouts(self.redis, self.keys, session)
+            return await lifecycle.cancel(self.store, targets, reason, refuse_ended=False)
         targets = await self._targets(ids, batch_id, group)
         return await lifecycle.cancel(self.store, targets, reason, refuse_ended=ids is not None)
 
+    @named
     async def ack(
         self,
         ids: Sequence[str] | None = None,
         *,
         batch_id: str | None = None,
         group: int | None = None,
+        session: str | None = None,
     ) -> AckReport:
         """Delete ended rollouts (log, snapshot, completion entry, rq job). Live ones are
         never deleted: the report lists them. Acknowledging a whole batch whose rollouts are
-        all gone also deletes the batch's record and stream."""
+        all gone also deletes the batch's record and stream; a ``session``: each of its calls'
+        batches so, and the session's index once nothing of it is live."""
+        if session is not None:
+            sessions.alone(ids, batch_id, group)
+            return await sessions.ack(self.redis, self.keys, session, self.ack)
         targets = await self._targets(ids, batch_id, group)
         owners = await self._batches_of(targets, batch_id)
         report = await lifecycle.ack(self.store, targets, owners)
         if batch_id is not None and group is None and not report.live:
-            await self.redis.delete(self.keys.batch(batch_id), self.keys.completions(batch_id))
+            # UNLINK: a stream whose entries outlived their rollouts (expired) is freed in
+            # the background, not while Redis serves no one else.
+            await self.redis.unlink(self.keys.batch(batch_id), self.keys.completions(batch_id))
             await self.redis.zrem(self.keys.batches(), batch_id)
         return report
 
     # -- weights and stats --------------------------------------------------------------------
+    @named
     async def publish_weights(self, version: int, path: str) -> WeightVersion:
         """Record weight ``version`` (at checkpoint ``path``) and so notify every worker.
         Versions only go up: an older or equal one raises ``StaleWeightVersion``."""
@@ -292,28 +323,39 @@ class RolloutClient:
 
     # -- helpers ------------------------------------------------------------------------------
     async def _results(
-        self, ids: Sequence[str], positions: Sequence[str] | None = None
+        self,
+        ids: Sequence[str],
+        positions: Sequence[str] | None = None,
+        *,
+        skip_gone: bool = False,
     ) -> list[RolloutResult]:
-        states = await self.store.load_many(ids)
+        """The results of ``ids``; ``skip_gone``: leave out the rollouts that no longer exist
+        (acknowledged or expired) instead of raising ``RolloutNotFound``. Loaded
+        ``LOAD_CHUNK`` at a time: each load is a transaction that reads whole logs."""
+        states: list[RolloutState | Exception] = []
+        for part in bulk.chunks(ids, defaults.LOAD_CHUNK):
+            states += await self.store.load_many(part)
         out = []
         for i, (rid, s) in enumerate(zip(ids, states, strict=True)):
             pos = positions[i] if positions is not None else ""
             if isinstance(s, RolloutState):
                 out.append(RolloutResult.from_state(s, self.tokenizer, pos))
             elif isinstance(s, RolloutNotFound):
-                raise s
+                if not skip_gone:
+                    raise s
             else:
                 out.append(RolloutResult.unreadable(rid, str(s), pos))
         return out
 
     async def _gone(self, ids: Sequence[str]) -> list[str]:
-        if not ids:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for rid in ids:
-                pipe.exists(self.keys.snapshot(rid))
-            found = await pipe.execute()
-        return [rid for rid, f in zip(ids, found, strict=True) if not f]
+        gone: list[str] = []
+        for part in bulk.chunks(ids):  # a bounded pipeline per round trip
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid in part:
+                    pipe.exists(self.keys.snapshot(rid))
+                found = await pipe.execute()
+            gone += [rid for rid, f in zip(part, found, strict=True) if not f]
+        return gone
 
     async def _targets(
         self, ids: Sequence[str] | None, batch_id: str | None, group: int | None
@@ -328,7 +370,7 @@ class RolloutClient:
         if group is None:
             return info.ids
         if not 0 <= group < info.groups:
-            raise ValueError(f"batch {batch_id!r} has groups 0..{info.groups - 1}, not {group}")
+            raise GroupNotFound(info.batch_id, info.groups, group)
         return info.group_ids(group)
 
     async def _batches_of(self, ids: Sequence[str], batch_id: str | None) -> list[str]:
@@ -385,6 +427,9 @@ class SyncRolloutClient:
 
     def batches(self) -> list[str]:
         return self._call(self._client.batches())
+
+    def session(self, session_id: str) -> list[SessionCall]:
+        return self._call(self._client.session(session_id))
 
     def stats(self) -> Stats:
         return self._call(self._client.stats())

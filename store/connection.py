@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aredis
+from redis.asyncio.connection import AbstractConnection as AsyncAbstractConnection
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import EqualJitterBackoff
 from redis.exceptions import (
@@ -36,7 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from store.cancel_safe import keep_cancels
-from store.errors import InvalidRedisUrl
+from store.errors import InvalidRedisUrl, unwritable
 
 try:
     from redis.driver_info import DriverInfo
@@ -120,19 +121,64 @@ def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
         health_check_interval=10,
         **_DRIVER,
     )
-    return keep_cancels(client)
+    return _pings_answered(keep_cancels(client))
 
 
 def connect_sync(url: str) -> redis.Redis:
-    return redis.Redis.from_url(
-        url,
-        retry=_Retry(EqualJitterBackoff(*BACKOFF), RETRIES),
-        retry_on_error=list(_ERRORS),
-        socket_timeout=SOCKET_TIMEOUT_S,
-        socket_connect_timeout=2.0,
-        health_check_interval=10,
-        **_DRIVER,
+    return _pings_answered(
+        redis.Redis.from_url(
+            url,
+            retry=_Retry(EqualJitterBackoff(*BACKOFF), RETRIES),
+            retry_on_error=list(_ERRORS),
+            socket_timeout=SOCKET_TIMEOUT_S,
+            socket_connect_timeout=2.0,
+            health_check_interval=10,
+            **_DRIVER,
+        )
     )
+
+
+C = TypeVar("C", aredis.Redis, redis.Redis)
+
+
+def _pings_answered(client: C) -> C:
+    """``client``, whose health-check PING (on every new connection, and on one idle for
+    ``health_check_interval``) counts a MISCONF reply as an answer. Redis refuses PING, like a
+    write, while it cannot persist (a failed RDB save or AOF write): the connection is alive,
+    and failing it would fail every command, reads included, and every new connection (the
+    API's /healthz, ``rollouts status``, a worker's next round trip) for as long as that lasts.
+    Writes are still refused, each with its own MISCONF (``store.errors.StoreUnwritable``)."""
+    pool = client.connection_pool
+    base = pool.connection_class
+    mixin = _AsyncPingAnswered if isinstance(client, aredis.Redis) else _PingAnswered
+    made = _PINGS.get(base)
+    if made is None:
+        made = _PINGS[base] = type(f"PingAnswered{base.__name__}", (mixin, base), {})
+    pool.connection_class = made
+    return client
+
+
+_PINGS: dict[type, type] = {}
+
+
+class _PingAnswered(redis.connection.AbstractConnection):
+    def _send_ping(self) -> None:
+        try:
+            super()._send_ping()  # type: ignore[no-untyped-call]
+        except ResponseError as exc:
+            if unwritable(exc) is None:
+                raise
+            # Redis answered (MISCONF): the connection is alive; see _pings_answered.
+
+
+class _AsyncPingAnswered(AsyncAbstractConnection):
+    async def _send_ping(self) -> None:
+        try:
+            await super()._send_ping()  # type: ignore[no-untyped-call]
+        except ResponseError as exc:
+            if unwritable(exc) is None:
+                raise
+            # Redis answered (MISCONF): the connection is alive; see _pings_answered.
 
 
 # CLIENT SETNAME refuses spaces and anything outside printable ASCII.

@@ -8,7 +8,7 @@ from statemachine.request import DEFAULT_QUEUE
 # A worker appends a rollout's new tokens after CHECKPOINT_TOKENS tokens or CHECKPOINT_INTERVAL_S
 # seconds, whichever comes first. A crash regenerates at most that much. 16 tokens is ~0.1-0.3 s
 # of decode per rollout on a GPU; the worker's rollouts checkpoint together at shared flush
-# points (workers/runner.py), one Redis round trip per worker per checkpoint, far below Redis'
+# points (workers/generation.py), one Redis round trip per worker per checkpoint, far below Redis'
 # capacity.
 CHECKPOINT_TOKENS = 16
 CHECKPOINT_INTERVAL_S = 0.25
@@ -39,16 +39,38 @@ MAX_WORKER_LOST = 5  # workers lost under one rollout (lapsed leases, takeovers)
 LEASE_TTL_S = 5.0
 HEARTBEAT_S = 1.0
 REAP_INTERVAL_S = 1.0
+# A rollout (or rq job) a reaper could not give back (its enqueue refused: Redis out of memory,
+# a damaged queue key) keeps its expired lease (or lapsed execution) and is tried again after
+# REAP_RETRY_S, doubling with each failure up to REAP_RETRY_MAX_S: never every pass, and the
+# others are reaped meanwhile. Short: a rollout waits on it once the cause is gone.
+REAP_RETRY_S = 1.0
+REAP_RETRY_MAX_S = 15.0
+# The net under every give back (workers/stranded.py): one reaper of the fleet compares, every
+# STRANDED_CHECK_S, the rollouts that need a job with the jobs that would run them (two round
+# trips); only a shortfall makes it look for stranded ones (a SCAN), and a look that finds none
+# to requeue doubles the wait before the next, up to STRANDED_SCAN_MAX_S.
+STRANDED_CHECK_S = 30.0
+STRANDED_SCAN_MAX_S = 600.0
 
 # A worker process that dies closes its Redis connections at once, and with them its presence
 # subscription (store/presence.py): its leases are reaped then, not LEASE_TTL_S later. Some
 # reaper checks every PRESENCE_CHECK_S (one per interval for the whole fleet); a worker counts
-# as gone only if still absent PRESENCE_CONFIRM_S later (a live worker resubscribes within
-# ~0.1 s of a dropped connection: redis-py's first retry). For PRESENCE_GRACE_S after Redis
-# starts nobody is judged: every worker is reconnecting (its backoff is capped at 2 s). A stalled
-# or partitioned worker keeps its connection open and falls back to the TTL.
+# as gone only if it stays absent for its confirmation window and renews none of its leases
+# meanwhile (a live process renews every HEARTBEAT_S). The window is PRESENCE_RTT_FACTOR of the
+# round trips to Redis the worker registered, within [PRESENCE_CONFIRM_MIN_S,
+# PRESENCE_CONFIRM_S]: a resubscribe is several round trips (connect, CLIENT SETNAME/SETINFO,
+# SUBSCRIBE): ~0.1 s on a LAN (the minimum, as before issue 28, keeps a dead worker noticed
+# ~0.5 s after its death), but 0.5-0.9 s measured over a link of 50-200 ms each way and 1.4-1.6 s
+# when a second drop hits the reconnect, where a fixed 0.25 s took live workers over (a
+# worker_lost charged each time); there the window reaches two heartbeats (a renewal held up by
+# a reconnect lands ~2 s after the one before). A worker that registered no round trip gets the
+# longest. For PRESENCE_GRACE_S after Redis starts nobody is judged: every worker is
+# reconnecting (its backoff is capped at 2 s). A stalled or partitioned worker keeps its
+# connection open and falls back to the TTL.
 PRESENCE_CHECK_S = 0.25
-PRESENCE_CONFIRM_S = 0.25
+PRESENCE_CONFIRM_MIN_S = 0.25
+PRESENCE_CONFIRM_S = 2 * HEARTBEAT_S
+PRESENCE_RTT_FACTOR = 10
 PRESENCE_GRACE_S = 5.0
 
 # rq's view of a job: its execution is heartbeated every RQ_HEARTBEAT_S; one not heartbeated for
@@ -58,6 +80,24 @@ PRESENCE_GRACE_S = 5.0
 # default of 60-90 s and more is too slow for preemptible nodes.
 RQ_HEARTBEAT_S = 3.0
 RQ_EXECUTION_TTL_S = 15.0
+
+# -- Redis refusing writes ----------------------------------------------------------------------
+# Redis refuses writes for a condition of its own (store.errors.StoreUnwritable: out of memory
+# under noeviction, a failed RDB/AOF write, a read-only replica). A worker keeps its rollouts,
+# their unsaved tokens and their attempts, takes no new job, and retries each refused write
+# after STORE_RETRY_S[0] s, doubling up to STORE_RETRY_S[1]: a refused write costs Redis
+# almost nothing, and the capped retry resumes checkpoints within about a second of the
+# condition clearing.
+STORE_RETRY_S = (0.05, 1.0)
+# Nobody can renew a lease while Redis refuses writes, so every lease may have lapsed when the
+# condition clears. A reaper leaves lapsed leases alone until its worker has seen Redis accept
+# writes for this long: each live worker renews its leases within a heartbeat of that, and a
+# worker that really died is still recovered (by its lapsed lease, or its closed connection).
+STORE_REAP_GRACE_S = LEASE_TTL_S
+# The Retry-After (seconds) of the HTTP API's 503 for a refused write: the condition clears only
+# when memory or disk is freed (an operator, the trainer's acknowledgements), so faster retries
+# would only add refused writes.
+STORE_RETRY_AFTER_S = 5
 
 # -- shutdown -----------------------------------------------------------------------------------
 # A stopping worker gives its rollouts this long to save their progress and requeue their
@@ -104,13 +144,56 @@ MAX_GROUP_SIZE = 1024
 MAX_SUBMIT_ROLLOUTS = 100_000
 # Metadata rides in every rollout's Submitted record and comes back with its result: small.
 MAX_METADATA_BYTES = 4096
-# Rollouts recorded and enqueued per MULTI/EXEC: each chunk is one atomic round trip, so 10,000
-# rollouts take ~10, and a failure leaves whole chunks (never a recorded but unqueued rollout).
-SUBMIT_CHUNK = 1000
+# Rollouts recorded and enqueued per script (lua/submit_chunk.lua): each chunk is one atomic
+# round trip, and a failure leaves whole chunks (never a recorded but unqueued rollout). Redis
+# serves nobody else while one runs: ~18 us per rollout of a short prompt on an idle 2-core
+# machine, 2-5x that under load, plus ~5-10 ns per byte of records (Redis hashes every byte a
+# script is given; 1,000 rollouts of an 8,192-token prompt held it 240 ms). So a chunk is at
+# most 250 rollouts and 1 MiB of records: ~5-10 ms idle. A chunk of 500 cost Redis 55 ms of
+# CPU once in a loaded CI run (110 us per rollout), over the 50 ms every bulk operation keeps
+# under (issue 28); 10,000 short rollouts are 40 chunks, two in flight at once (with chunks of
+# 1,000, 0.27-0.54 s with appendfsync always on this loaded machine; with 200, 25-45% longer).
+SUBMIT_CHUNK = 250
+SUBMIT_CHUNK_BYTES = 1 << 20
+
+# Rollouts per script or transaction of an operation over many of them (cancel, ack, the reads
+# of wait, stuck and requeue; see store/bulk.py): Redis serves nobody else while one runs. A
+# cancel's append held it ~12 us per rollout on an idle 2-core machine (a 20,000-rollout cancel
+# in one transaction: 0.25 s, a worker's renewal waited 0.43 s), 73 us in issue 28's run, and a
+# chunk of 500 took 51 ms of wall time once on the same machine under a load of 4.6: 200 keep a
+# chunk to ~2.5 ms idle and ~15 ms at the issue's rate; 100,000 rollouts take 500 round trips.
+BULK_CHUNK = 200
+# Rollouts loaded (log and all) per transaction when results are read: a load reads the whole
+# log. 64 rollouts of 1,024 tokens (64 records each) cost Redis 1.9 ms of CPU (measured), so
+# 32 of 32,768 tokens (2,048 records each) cost ~30 ms.
+LOAD_CHUNK = 32
 
 # -- retention ------------------------------------------------------------------------------------
 # An ended rollout nobody acknowledged is deleted this long after it ended (0 keeps it forever):
 # a trainer that crashed and never came back does not fill Redis until it refuses writes.
 RETENTION_S = 24 * 3600
+# A session's index of calls outlives the newest call's submit by the retention plus this: its
+# rollouts are retained from when they end, which is after the submit, by up to a call's
+# generation time.
+SESSION_GRACE_S = 3600
+# Session affinity (store/affinity.py): a session's next call is hinted to the worker that
+# started its previous one. A worker's hint list keeps at most AFFINITY_HINTS_MAX entries (the
+# newest; a hint is only a preference, its job stays on the queue) and expires
+# AFFINITY_HINTS_TTL_S after its last push (a dead worker's list goes by itself). A job taken
+# by a worker it does not prefer goes back to the front of its queue, for its preferred worker
+# blocked there, at most AFFINITY_BOUNCES times.
+AFFINITY_HINTS_MAX = 256
+AFFINITY_HINTS_TTL_S = 300
+AFFINITY_BOUNCES = 2
 # How long one blocking read of a completion stream waits before looking around again.
 COMPLETION_BLOCK_MS = 1000
+
+# `rollouts api`: the largest request body (413 beyond). A 100,000-rollout submit (the most one
+# takes) of 64-token prompts is ~25 MB of JSON.
+API_MAX_BODY_BYTES = 64 * 1024 * 1024
+# Harness calls (store.api.harness) waiting at once on one API (``--max-waiting``), how long
+# one waits before a 504 (its rollouts go on; a retry attaches), and what a caller's
+# disconnect does to its rollouts (``--on-disconnect``).
+API_MAX_WAITING = 4096
+API_CALL_TIMEOUT_S = 3600.0
+ON_DISCONNECT = ("keep", "cancel")

@@ -78,6 +78,11 @@ class _Prepared:
         return self.args[ARG_RECORD]  # type: ignore[return-value]
 
     @property
+    def head(self) -> bytes:
+        """The snapshot head after the event."""
+        return self.args[ARG_RECORD + 1]  # type: ignore[return-value]
+
+    @property
     def whole(self) -> bool:
         """Whether the record goes through the script: only the Submitted record (once per
         rollout, and its log does not exist yet); every other one goes beside it, the way
@@ -129,7 +134,8 @@ class EventStore:
 
         Each chain succeeds or fails on its own: its result is the state after its last event,
         or the first refusal (an illegal event is never sent; after a refusal the rest of the
-        chain is refused too, since every later event names a sequence number after it).
+        chain is refused too: lua/append.lua accepts a chain's later event only over the head
+        its predecessor wrote).
         """
         results: list[RolloutState | AppendRefused | TransitionError] = []
         calls: list[_Prepared] = []
@@ -138,7 +144,10 @@ class EventStore:
             start = len(calls)
             try:
                 for event in events:
-                    p = self.prepare(state, event)
+                    # A later event of the chain holds the head its predecessor writes, so
+                    # that it is refused unless that one was accepted (lua/append.lua).
+                    after = calls[-1].head if len(calls) > start else None
+                    p = self.prepare(state, event, after=after)
                     calls.append(p)
                     state = p.state
             except TransitionError as exc:
@@ -212,9 +221,12 @@ class EventStore:
                 out[i] = [b"dup"] if same else out[i][1:]
         return out
 
-    def prepare(self, state: RolloutState | None, event: Event) -> _Prepared:
+    def prepare(
+        self, state: RolloutState | None, event: Event, *, after: bytes | None = None
+    ) -> _Prepared:
         """The checked event with the keys and arguments of its append (no I/O): for callers
-        that put appends into a transaction of their own (``store.batches``)."""
+        that put appends into a transaction of their own (``store.batches``). ``after``: for
+        a later event of a chain, the head its predecessor writes (``_Prepared.head``)."""
         new_state = apply(state, event)
         fence = fence_of(event)
         rid = event.rollout_id
@@ -237,6 +249,7 @@ class EventStore:
                 new_state.status.value,
                 len(event) if isinstance(event, TokensAppended) else 0,
                 rid,
+                b"" if after is None else after,
             ),
         )
 

@@ -20,19 +20,22 @@ import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from redis import Redis as SyncRedis
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.queue import Queue
-from rq.serializers import JSONSerializer
 
 from statemachine import LIVE, TERMINAL, WAITING, RolloutState, Status
+from store import bulk, defaults, scripts, writable
 from store.client import RolloutClient
+from store.errors import StoreUnwritable
 from store.event_store import FIRST, HEAD, JOB, STATUS, EventStore, submitted_record
 from store.keys import Keys
-from store.leases import Leases, now_ms
-from store.queue import rollout_queue
+from store.leases import Leases
+from store.pause import Pause, PauseFlag
+from store.queue import fetch_each, rollout_queue
 from store.stats import WorkerBeat
 from store.weights import WeightVersion
 
@@ -59,20 +62,24 @@ class ClusterStatus:
     workers: list[WorkerView]
     latest: WeightVersion | None
     leases: int  # leases held (generating rollouts)
-    expired_leases: int  # of which expired: a reaper takes them back within a pass
+    expired_leases: int  # of which expired (by Redis's clock): a reaper takes them back soon
     quarantined: int
+    # Why Redis refuses writes right now (out of memory, a failed disk write, a read-only
+    # replica), or None if it accepts them (``store.writable``).
+    refusal: StoreUnwritable | None = None
+    # The deployment's pause (a harness's /pause; workers take no new job), or None.
+    paused: Pause | None = None
 
 
 async def cluster_status(client: RolloutClient) -> ClusterStatus:
     stats = await client.stats()
     latest = await client.weights.latest()
     keys = client.keys
-    async with client.redis.pipeline(transaction=False) as pipe:
-        pipe.zcard(keys.leases())
-        pipe.zcount(keys.leases(), "-inf", now_ms())
-        pipe.hlen(keys.quarantine())
-        leases, expired, quarantined = await pipe.execute()
-    now = time.time()
+    leases = await Leases(client.redis, keys).read()
+    quarantined = await client.redis.hlen(keys.quarantine())  # type: ignore[misc]
+    now = stats.now  # Redis's clock, as the workers' heartbeats are stamped
+    refused = await writable.refusal(client.redis, keys)
+    paused = await PauseFlag(client.redis, keys).current()
     workers = [
         WorkerView(
             beat=w,
@@ -89,9 +96,11 @@ async def cluster_status(client: RolloutClient) -> ClusterStatus:
         queues=stats.queues,
         workers=workers,
         latest=latest,
-        leases=int(leases),
-        expired_leases=int(expired),
+        leases=leases.held,
+        expired_leases=leases.expired,
         quarantined=int(quarantined),
+        refusal=refused,
+        paused=paused,
     )
 
 
@@ -109,7 +118,7 @@ def jobs_by_rollout(
     conn: SyncRedis, recorded: Mapping[str, str | None]
 ) -> dict[str, list[JobView]]:
     """The rq jobs, on any queue, that would run each rollout of ``recorded`` (rollout id ->
-    the job id its snapshot recorded at submit, if any). Blocking: rq is synchronous.
+    the job ids its snapshot lists, space-separated, if any). Blocking: rq is synchronous.
 
     Every queue, its dequeue list and its started registry are read in one MULTI, so a job
     moving between them (a requeue, a dequeue) is seen exactly once. A job the reaper or an
@@ -125,6 +134,8 @@ def jobs_by_rollout(
             pipe.lrange(IntermediateQueue(q.key, conn).key, 0, -1)
             pipe.zrange(q.started_job_registry.key, 0, -1, withscores=True)
         replies = pipe.execute()
+    # rq scores its started registry by the running worker's host clock (rq's own code), so
+    # its "alive" is judged on a host clock too: skew beyond ~12 s shows a running job lapsed.
     now = time.time()
     seen: list[JobView] = []
     for i, q in enumerate(queues):
@@ -134,7 +145,8 @@ def jobs_by_rollout(
         for member, score in started:
             job_id = q.started_job_registry.parse_job_id(member)
             seen.append(JobView(job_id, q.name, "started", float(score) > now))
-    owner = {job: rid for rid, job in recorded.items() if job}
+    # A snapshot lists every job made for its rollout, space-separated (lua/ack.lua).
+    owner = {job: rid for rid, jobs in recorded.items() if jobs for job in jobs.split()}
     found = _match(seen, owner, recorded)
     unknown = {v.job_id for v in seen if v.job_id not in owner}
     if unknown and not all(found.values()):
@@ -161,7 +173,7 @@ def _rollouts_of(conn: SyncRedis, job_ids: Iterable[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for start in range(0, len(ids), _FETCH_CHUNK):
         chunk = ids[start : start + _FETCH_CHUNK]
-        for job in Job.fetch_many(chunk, connection=conn, serializer=JSONSerializer):
+        for job in fetch_each(conn, chunk):
             if job is None:
                 continue
             try:
@@ -196,36 +208,55 @@ class RolloutNow:
     rollout_id: str
     state: RolloutState | None  # None: no such rollout, or ``problem`` says why unreadable
     problem: str | None
-    lease_expiry_ms: int | None
+    lease_expiry_ms: int | None  # unix ms by Redis's clock
     quarantine: str | None  # the reason a reaper set it aside
     jobs: list[JobView]
+    clock_ms: int  # Redis's clock when the lease was read: what judges it, never this host's
 
     @property
     def live_jobs(self) -> list[JobView]:
         return [j for j in self.jobs if j.alive]
 
-    def lease_left_s(self, at_ms: int | None = None) -> float | None:
+    def lease_left_s(self) -> float | None:
+        """How long the lease has left (<= 0: expired), None when nobody holds one."""
         if self.lease_expiry_ms is None:
             return None
-        return (self.lease_expiry_ms - (at_ms if at_ms is not None else now_ms())) / 1000
+        return (self.lease_expiry_ms - self.clock_ms) / 1000
 
 
 async def rollouts_now(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -> list[RolloutNow]:
     """What each rollout of ``ids`` is and what holds it, in a few round trips."""
     keys = store.keys
-    async with store.redis.pipeline(transaction=True) as pipe:
-        for rid in ids:
-            pipe.hmget(keys.snapshot(rid), [HEAD, JOB])
-            pipe.xrange(keys.log(rid), FIRST, FIRST)
-            pipe.zscore(keys.leases(), rid)
-        if ids:
-            pipe.hmget(keys.quarantine(), list(ids))
-        replies = await pipe.execute()
+    replies: list[Any] = []
+    reasons: list[Any] = []
+    clocks: list[int] = []
+    expiries: list[Any] = []
+    # A MULTI per chunk (store/bulk.py): what holds one rollout is read at one instant; a
+    # MULTI of every candidate at once (``find_stuck`` of a 100,000-rollout batch) would hold
+    # Redis for all of them.
+    for part in bulk.chunks(ids):
+        async with store.redis.pipeline(transaction=True) as pipe:
+            for rid in part:
+                pipe.hmget(keys.snapshot(rid), [HEAD, JOB])
+                pipe.xrange(keys.log(rid), FIRST, FIRST)
+            # Their leases and Redis's clock, in the same MULTI as their states. By its text: a
+            # NOSCRIPT inside a MULTI would spoil the whole read.
+            read, grace = scripts.READ_LEASES, int(defaults.STORE_REAP_GRACE_S * 1000)
+            pipe.execute_command(
+                "EVAL", read.text, 2, keys.leases(), keys.lease_refusals(), grace, *part
+            )
+            pipe.hmget(keys.quarantine(), list(part))
+            *found, leases, quarantined = await pipe.execute()
+        clock, _, _, their, _ = leases
+        replies += found
+        clocks += [int(clock)] * len(part)
+        expiries += their
+        reasons += quarantined
     heads: dict[str, RolloutState | None] = {}
     problems: dict[str, str] = {}
     recorded: dict[str, str | None] = {}
     for i, rid in enumerate(ids):
-        (head, job), sub = replies[3 * i], submitted_record(replies[3 * i + 1])
+        (head, job), sub = replies[2 * i], submitted_record(replies[2 * i + 1])
         recorded[rid] = job.decode() if job else None
         heads[rid] = None
         if head is not None and sub is not None:
@@ -235,10 +266,9 @@ async def rollouts_now(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -
                 # Damaged or from newer code: shown with the reason, never a crash of the list.
                 problems[rid] = f"{type(exc).__name__}: {exc}"
     jobs = await asyncio.to_thread(jobs_by_rollout, conn, recorded)
-    reasons = replies[-1] if ids else []
     out = []
     for i, rid in enumerate(ids):
-        score = replies[3 * i + 2]
+        score = expiries[i]
         reason = reasons[i]
         out.append(
             RolloutNow(
@@ -248,6 +278,7 @@ async def rollouts_now(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -
                 lease_expiry_ms=None if score is None else int(score),
                 quarantine=None if reason is None else reason.decode(errors="replace"),
                 jobs=jobs[rid],
+                clock_ms=clocks[i],
             )
         )
     return out
@@ -266,7 +297,7 @@ class StuckRollout:
     tokens: int
 
 
-def stuck_reason(now: RolloutNow, at_ms: int) -> StuckRollout | None:
+def stuck_reason(now: RolloutNow) -> StuckRollout | None:
     """Why the rollout will not move on by itself, or None. Pure."""
     s = now.state
     if now.quarantine is not None:
@@ -274,7 +305,7 @@ def stuck_reason(now: RolloutNow, at_ms: int) -> StuckRollout | None:
     if s is None or s.status in TERMINAL:
         return None
     if s.status in LIVE:
-        left = now.lease_left_s(at_ms)
+        left = now.lease_left_s()
         if any(j.where != "started" for j in now.jobs):
             return None  # a job waits: whoever takes it takes the attempt over
         if left is None:
@@ -325,8 +356,7 @@ async def find_stuck(
 
 
 async def _stuck_of(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -> list[StuckRollout]:
-    at = now_ms()
-    found = [stuck_reason(n, at) for n in await rollouts_now(store, conn, ids)]
+    found = [stuck_reason(n) for n in await rollouts_now(store, conn, ids)]
     return [s for s in found if s is not None]
 
 

@@ -6,18 +6,31 @@ rollout's log and snapshot live in one slot and the append script may touch both
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
-from store.errors import InvalidRolloutId
+from store.errors import InvalidRolloutId, InvalidSessionId
 
 DEFAULT_NAMESPACE = "dr"
-_MAX_ID_LEN = 200
-_MAX_BATCH_ID_LEN = 160
+MAX_ID_LEN = 200
+MAX_BATCH_ID_LEN = 160
 
 
-# Braces would break the hash tag; whitespace and colons make keys ambiguous to read.
-_VALID_ID = re.compile(rf"[^{{}}:\s]{{1,{_MAX_ID_LEN}}}")
+# Braces would break the hash tag; whitespace and colons make keys ambiguous to read; control
+# characters (ESC among them) would reach terminals through every log line that names an id.
+# Written as explicit ranges, never ``\s``: the API's document carries this class as a JSON
+# Schema ``pattern`` (ECMA-262), whose ``\s`` differs from Python's (\x1c-\x1f, \x85, \ufeff),
+# so a client would be told an id is valid that this check refuses. Excluded: braces, the
+# colon, C0 controls and the space, DEL and the C1 controls with NBSP, and every other
+# character either dialect calls whitespace.
+ID_CHARS = (
+    r"[^{}:\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+    r"\ufeff]"
+)
+_VALID_ID = re.compile(rf"{ID_CHARS}{{1,{MAX_ID_LEN}}}")
+# The same rule as a JSON Schema pattern (its length goes in minLength/maxLength).
+ID_PATTERN = f"^{ID_CHARS}+$"
 
 
 def check_batch_id(batch_id: str) -> str:
@@ -26,20 +39,37 @@ def check_batch_id(batch_id: str) -> str:
     if (
         not isinstance(batch_id, str)
         or _VALID_ID.fullmatch(batch_id) is None
-        or (len(batch_id) > _MAX_BATCH_ID_LEN)
+        or (len(batch_id) > MAX_BATCH_ID_LEN)
     ):
         raise InvalidRolloutId(
-            f"batch id must be 1-{_MAX_BATCH_ID_LEN} characters without braces, colons or "
-            f"whitespace, got {batch_id!r}"
+            f"batch id must be 1-{MAX_BATCH_ID_LEN} characters without braces, colons, "
+            f"whitespace or control characters, got {batch_id!r}"
         )
     return batch_id
+
+
+# A session id is the harness's (``X-Session-ID``), not ours: any text but control characters
+# (a newline in it would reach log lines), hashed into its key, so braces or colons in it
+# cannot break the hash tag. The same rule as a JSON Schema pattern for the API's document.
+MAX_SESSION_ID_LEN = 256  # as the harness bodies take it (session_id)
+SESSION_ID_PATTERN = r"^[^\u0000-\u001f\u007f-\u009f]+$"
+_VALID_SESSION = re.compile(rf"[^\u0000-\u001f\u007f-\u009f]{{1,{MAX_SESSION_ID_LEN}}}")
+
+
+def check_session_id(session_id: str) -> str:
+    if not isinstance(session_id, str) or _VALID_SESSION.fullmatch(session_id) is None:
+        raise InvalidSessionId(
+            f"session id must be 1-{MAX_SESSION_ID_LEN} characters without control "
+            f"characters, got {session_id!r}"
+        )
+    return session_id
 
 
 def check_rollout_id(rollout_id: str) -> str:
     if not isinstance(rollout_id, str) or _VALID_ID.fullmatch(rollout_id) is None:
         raise InvalidRolloutId(
-            f"rollout id must be 1-{_MAX_ID_LEN} characters without braces, colons or "
-            f"whitespace, got {rollout_id!r}"
+            f"rollout id must be 1-{MAX_ID_LEN} characters without braces, colons, "
+            f"whitespace or control characters, got {rollout_id!r}"
         )
     return rollout_id
 
@@ -62,6 +92,11 @@ class Keys:
         """The lease index of every generating rollout (one per deployment)."""
         return f"{self.namespace}:leases"
 
+    def lease_refusals(self) -> str:
+        """What the lease scripts last saw of Redis's refused writes (lua/lease_grace.lua):
+        a hash beside the lease index, in its Cluster slot (the index's name as hash tag)."""
+        return f"{{{self.leases()}}}:refusals"
+
     def quarantine(self) -> str:
         """Rollouts set aside because they cannot be read (rollout id -> reason)."""
         return f"{self.namespace}:quarantine"
@@ -71,7 +106,8 @@ class Keys:
         return f"{self.namespace}:worker:{worker_id}:leases"
 
     def presence(self) -> str:
-        """Workers whose process presence is watched (worker id -> when it subscribed, ms)."""
+        """Workers whose process presence is watched (worker id -> when it registered: unix ms
+        by Redis's clock)."""
         return f"{self.namespace}:presence"
 
     def presence_channel(self, worker_id: str) -> str:
@@ -81,6 +117,16 @@ class Keys:
     def presence_check(self) -> str:
         """Which reaper checks the workers' presence this interval (a string with a short TTL)."""
         return f"{self.namespace}:presence:check"
+
+    def stranded_check(self) -> str:
+        """Which reaper checks for stranded rollouts this interval (a string with a short TTL)."""
+        return f"{self.namespace}:stranded:check"
+
+    def stranded_scan(self) -> str:
+        """When the fleet may next look for stranded rollouts, and the wait before that look
+        (a hash: at, unix s by Redis's clock; wait, s): each look that requeues nothing
+        doubles it."""
+        return f"{self.namespace}:stranded:scan"
 
     def batch(self, batch_id: str) -> str:
         """A batch's record (a hash: request fingerprint, rollout ids, group size, retention)."""
@@ -93,6 +139,27 @@ class Keys:
             return f"{self.namespace}:completions"
         return f"{self.namespace}:batch:{{{batch_id}}}:done"
 
+    def session(self, session_id: str) -> str:
+        """A session's calls (a sorted set: batch id -> when the call was first made), in the
+        order they were made; its hash tag is a digest of the session id (see above)."""
+        digest = hashlib.sha256(check_session_id(session_id).encode()).hexdigest()[:32]
+        return f"{self.namespace}:session:{{{digest}}}"
+
+    def session_worker(self, session_id: str) -> str:
+        """The worker that started the session's latest call (a string; "" until one did),
+        in the session index's Cluster slot and with its TTL (``store.affinity``)."""
+        return f"{self.session(session_id)}:worker"
+
+    def worker_hints(self, worker_id: str) -> str:
+        """Job ids hinted to a worker: calls of sessions it served before (a list, trimmed;
+        ``store.affinity``)."""
+        return f"{self.namespace}:worker:{worker_id}:hints"
+
+    def worker_waiting(self, worker_id: str) -> str:
+        """Exists while the worker is blocked on its queue with free slots (set and deleted
+        around its blocking pop; ``workers.affinity``)."""
+        return f"{self.namespace}:worker:{worker_id}:waiting"
+
     def batches(self) -> str:
         """Every batch's id, scored by the time it was submitted (a sorted set)."""
         return f"{self.namespace}:batches"
@@ -104,6 +171,16 @@ class Keys:
     def workers(self) -> str:
         """Live workers' heartbeats (worker id -> their in-flight count, weights, time)."""
         return f"{self.namespace}:workers"
+
+    def paused(self) -> str:
+        """The deployment's pause (a hash: mode, at), set by a harness's ``/pause`` and
+        deleted by ``/resume``: absent, workers admit rollouts."""
+        return f"{self.namespace}:paused"
+
+    def write_probe(self) -> str:
+        """Never created: ``SET`` of it with ``XX`` writes nothing, yet Redis refuses it as any
+        write when it refuses writes (``store.writable``)."""
+        return f"{self.namespace}:write-probe"
 
     def rollout(self, rollout_id: str) -> tuple[str, str]:
         """``(log, snapshot)``: what the append script gets as KEYS, checked once."""

@@ -8,6 +8,9 @@ log and come back with the result.
 
 Acknowledge deletes an ended rollout's log, snapshot, completion entry and rq job in one
 script (``lua/ack.lua``); a rollout that has not ended is never deleted.
+
+Both go to Redis ``BULK_CHUNK`` rollouts at a time (``store.bulk``): a whole batch's worth in
+one transaction would keep every other client (the workers' lease renewals) waiting.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from statemachine import RolloutState, commands
-from store import scripts
+from store import bulk, scripts
 from store.errors import AppendRefused, RolloutNotFound, SequenceConflict, StoreError
 from store.event_store import EventStore, read_head, submitted_record
 
@@ -46,20 +49,22 @@ class AckReport:
 
 
 async def heads(store: EventStore, ids: Sequence[str]) -> list[RolloutState | Exception]:
-    """Each rollout's state without token data, one result per id, in one round trip."""
-    async with store.redis.pipeline(transaction=False) as pipe:
-        for rid in ids:
-            read_head(pipe, store.keys, rid)
-        found = await pipe.execute()
+    """Each rollout's state without token data, one result per id, a round trip per
+    ``BULK_CHUNK`` (pipelined, not a transaction: no instant is needed across rollouts)."""
     out: list[RolloutState | Exception] = []
-    for i, rid in enumerate(ids):
-        head, sub = found[2 * i], submitted_record(found[2 * i + 1])
-        try:
-            if head is None or sub is None:
-                raise RolloutNotFound(rid)
-            out.append(store.decode_head(rid, head, sub))
-        except Exception as exc:
-            out.append(exc)
+    for part in bulk.chunks(ids):
+        async with store.redis.pipeline(transaction=False) as pipe:
+            for rid in part:
+                read_head(pipe, store.keys, rid)
+            found = await pipe.execute()
+        for i, rid in enumerate(part):
+            head, sub = found[2 * i], submitted_record(found[2 * i + 1])
+            try:
+                if head is None or sub is None:
+                    raise RolloutNotFound(rid)
+                out.append(store.decode_head(rid, head, sub))
+            except Exception as exc:
+                out.append(exc)
     return out
 
 
@@ -68,11 +73,15 @@ async def cancel(
 ) -> list[str]:
     """Cancel every rollout of ``ids`` that has not ended; returns the ids cancelled.
 
-    ``refuse_ended``: raise ``RolloutEnded`` (cancelling nothing) if one of them has ended;
-    otherwise ended ones are skipped. Missing ids raise ``RolloutNotFound``."""
+    ``refuse_ended``: raise ``RolloutEnded`` (cancelling nothing) if one of them has ended,
+    and ``RolloutNotFound`` if one does not exist; otherwise (a batch's or a group's
+    rollouts) ended ones are skipped, and so are those acknowledged or expired already,
+    which had ended too (a trainer acknowledges the groups it took while ``take=k`` runs)."""
     states = await heads(store, ids)
     ended = {}
     for rid, s in zip(ids, states, strict=True):
+        if isinstance(s, RolloutNotFound) and not refuse_ended:
+            continue
         if isinstance(s, Exception):
             raise s
         if s.terminal:
@@ -80,6 +89,14 @@ async def cancel(
     if ended and refuse_ended:
         raise RolloutEnded(ended)
     todo = [s for s in states if isinstance(s, RolloutState) and not s.terminal]
+    cancelled: list[str] = []
+    # A transaction per chunk, not one for all (store/bulk.py says what that gives up).
+    for part in bulk.chunks(todo):
+        cancelled += await _cancel_chunk(store, part, reason)
+    return cancelled
+
+
+async def _cancel_chunk(store: EventStore, todo: Sequence[RolloutState], reason: str) -> list[str]:
     cancelled: list[str] = []
     delay = CANCEL_BACKOFF_S[0]
     for _ in range(CANCEL_ROUNDS):
@@ -109,7 +126,9 @@ async def ack(store: EventStore, ids: Sequence[str], batches: Sequence[str]) -> 
         ((*keys.rollout(rid), keys.completions(batch)), ["rq:"])
         for rid, batch in zip(ids, batches, strict=True)
     ]
-    replies = await scripts.ACK.many(store.redis, calls) if calls else []
+    replies = []
+    for part in bulk.chunks(calls):  # a round trip per chunk: a bounded pipeline
+        replies += await scripts.ACK.many(store.redis, part)
     report = AckReport()
     for rid, reply in zip(ids, replies, strict=True):
         {b"ok": report.acked, b"live": report.live, b"missing": report.missing}[reply[0]].append(

@@ -5,22 +5,25 @@ registries); it never runs our jobs' function itself: a rollouts worker takes jo
 queues and runs them on its resident engine. Job payloads are JSON (rq's JSONSerializer), so
 nothing on the wire or at rest is pickled.
 
-rq is synchronous; the async helpers here run it in a thread.
+rq is synchronous, and so is everything here: async callers run it in a thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis import Redis
 from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from store import defaults, rq_serializer  # noqa: F401  (rq's serializer check, once)
+from store import defaults, rq_serializer, scripts  # noqa: F401  (rq's serializer check, once)
+from store.keys import Keys
 
 # The function rq records for every job. Workers never call it; it exists so that a stray
 # stock ``rq worker`` fails the job with a clear message instead of an import error.
@@ -40,11 +43,20 @@ def rollout_queue(connection: Redis, name: str = defaults.QUEUE_NAME) -> Queue:
     )
 
 
-def enqueue_rollouts(queue: Queue, rollout_ids: Sequence[str], *, at_front: bool = False) -> None:
-    """Push one job per rollout id, all in one round trip."""
+def enqueue_rollouts(
+    queue: Queue,
+    rollout_ids: Sequence[str],
+    *,
+    at_front: bool = False,
+    keys: Keys | None = None,
+) -> None:
+    """Push one job per rollout id, all in one round trip. With ``keys``, each job is listed
+    with its rollout's other jobs in the same transaction (``lua/record_job.lua``), so that
+    acknowledging the rollout deletes it too: what a worker, the reaper's net or an operator
+    pushes for a rollout that exists."""
     with queue.connection.pipeline() as pipe:
         for rid in rollout_ids:
-            queue.enqueue_call(
+            job = queue.enqueue_call(
                 JOB_FUNC,
                 kwargs={"rollout_id": rid},
                 description=f"rollout {rid}",
@@ -53,13 +65,40 @@ def enqueue_rollouts(queue: Queue, rollout_ids: Sequence[str], *, at_front: bool
                 at_front=at_front,
                 pipeline=pipe,
             )
+            if keys is not None:
+                record = scripts.RECORD_JOB.invocation(by_text=True)
+                pipe.execute_command(*record, 1, keys.snapshot(rid), job.id)  # type: ignore[no-untyped-call]
         pipe.execute()
 
 
-async def enqueue_rollouts_async(
-    queue: Queue, rollout_ids: Sequence[str], *, at_front: bool = False
-) -> None:
-    await asyncio.to_thread(enqueue_rollouts, queue, rollout_ids, at_front=at_front)
+def give_back(
+    jobs: JobWriter,
+    leases_key: str,
+    snapshot_key: str,
+    rollout_id: str,
+    seen_expiry: int,
+    *,
+    at_front: bool,
+) -> bool:
+    """Push a new job for a leased rollout and remove its lease, in one atomic step, if the
+    lease is still the one seen (expiry ``seen_expiry``, unix ms): True if given back, False if
+    the lease was renewed or removed meanwhile (nothing written). Raises, having written
+    nothing, if the job cannot be pushed (Redis out of memory, a queue key of another type):
+    the lease stays, so whoever retries finds it, and exactly one job is ever pushed for it
+    (``lua/give_back.lua``), listed with the rollout's other jobs on its snapshot
+    (``snapshot_key``) for its acknowledgement to delete. Blocking (rq's connection), like
+    ``enqueue_rollouts``."""
+    queue = jobs.queue
+    job_id = str(uuid.uuid4())
+    shared = [x for kv in jobs.shared().items() for x in kv]
+    reply = scripts.run_sync(
+        queue.connection,
+        scripts.GIVE_BACK,
+        [leases_key, queue.key, Queue.redis_queues_keys, Job.key_for(job_id), snapshot_key],
+        [rollout_id, seen_expiry, job_id, jobs.data(rollout_id), jobs.description(rollout_id),
+         "1" if at_front else "0", *shared],
+    )  # fmt: skip
+    return bool(reply)
 
 
 class JobWriter:
@@ -70,7 +109,7 @@ class JobWriter:
     The hash fields are those of one job rq built itself (``Queue.create_job`` then its
     ``_prepare_for_queue``), with the per-rollout fields replaced; ``tests/store`` checks
     that rq reads back every field of a written job as it reads a job it enqueued. Relies
-    on rq's job layout (pinned >=3,<4, like the rest of store/ and workers/rq_bridge.py).
+    on rq's job layout (pinned >=3,<4, like the rest of store/ and workers/rq_mirror.py).
     """
 
     def __init__(self, queue: Queue) -> None:
@@ -96,9 +135,7 @@ class JobWriter:
         # and a job hash of 9 fields instead of 17 took Redis' CPU for a 10,000-rollout submit
         # from 0.31 s to 0.20 s (measured).
         fields = {
-            k: v
-            for k, v in self._fields.items()
-            if k not in ("data", "description") and v != ""
+            k: v for k, v in self._fields.items() if k not in ("data", "description") and v != ""
         }
         fields["created_at"] = fields["enqueued_at"] = stamp
         return fields
@@ -113,3 +150,29 @@ class JobWriter:
     @staticmethod
     def description(rollout_id: str) -> str:
         return f"rollout {rollout_id}"
+
+
+def fetch_each(
+    connection: Redis,
+    ids: list[str],
+    job_class: type[Job] = Job,
+    malformed: Callable[[str, NoSuchJobError], None] | None = None,
+) -> list[Job | None]:
+    """``Job.fetch_many`` (None for a job that is gone), except that a malformed job hash
+    spoils only itself: rq raises for the whole batch on one hash without its payload (fields
+    a dead worker's bare HSETs wrote back after the job was deleted; a 30-minute soak met one,
+    and every dequeue and ``find_stuck`` then failed for the rest of the run). The batch is
+    then fetched job by job, a malformed one is None and reported to ``malformed``."""
+    try:
+        return job_class.fetch_many(ids, connection=connection, serializer=JSONSerializer)
+    except NoSuchJobError:
+        pass
+    jobs: list[Job | None] = []
+    for job_id in ids:
+        try:
+            jobs.append(job_class.fetch(job_id, connection=connection, serializer=JSONSerializer))
+        except NoSuchJobError as exc:
+            if malformed is not None:
+                malformed(job_id, exc)
+            jobs.append(None)
+    return jobs

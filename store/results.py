@@ -52,6 +52,11 @@ class RolloutResult:
     # Where its completion sits in its batch's completion stream: pass it as ``after=`` to
     # re-attach after it ("" when the result was not read from a stream).
     position: str = ""
+    # ``[tokens, k]`` for a request with ``logprobs=k``: each token's k most likely tokens,
+    # most likely first (the sampled one among them when it ranks within k), and their raw
+    # logprobs; None when the request asked for none.
+    top_token_ids: npt.NDArray[np.int32] | None = None
+    top_logprobs: npt.NDArray[np.float32] | None = None
 
     @property
     def stale(self) -> bool:
@@ -126,6 +131,8 @@ class RolloutResult:
             sample_index=state.membership.sample_index,
             group_size=state.membership.group_size,
             position=position,
+            top_token_ids=state.top_token_ids,
+            top_logprobs=state.top_logprobs,
         )
 
 

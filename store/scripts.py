@@ -227,10 +227,11 @@ def run_windowed_sync(
     retries) along with every call not answered yet. A call answered NOSCRIPT (a restart
     emptied the script cache) did not run, and is run again by its text. An error raised by
     ``calls`` itself is raised once the calls already sent have been answered."""
-    if not client.script_exists(script.sha)[0]:  # type: ignore[index]
-        # Loaded first (one round trip): otherwise every call of the window would meet NOSCRIPT
-        # and go again one by one. A restart from here on is handled by the window.
-        client.script_load(script.text)
+    # Sent by sha, unprobed: a SCRIPT EXISTS first would be a round trip of every run, and
+    # most runs are one call (a harness's submit). On a NOSCRIPT reply (first use, or a
+    # restart emptied the cache), the calls in flight are answered (NOSCRIPT too, or run),
+    # those refused run again in order by the script's text (which caches it), and the
+    # window goes on by sha: the calls run in call order either way.
     w = _Window(client.connection_pool.get_connection(), script)
     source = iter(calls)
     build_error: Exception | None = None
@@ -245,8 +246,7 @@ def run_windowed_sync(
                     build_error = exc
                     break
                 w.send(call)
-                while len(w.sent) >= window:
-                    w.read_next()
+                w.settle(window)
         finally:
             # Whatever ended the loop (the last call, an error building the next one), the
             # calls on the wire are answered first, so that what was sent is known to be done.
@@ -297,6 +297,27 @@ class _Window:
             self.again.append(i)
         self.sent.popleft()
 
+    def settle(self, window: int) -> None:
+        """Read replies until fewer than ``window`` calls are in flight; after a NOSCRIPT,
+        until none is, and run the refused calls again before any later one is sent."""
+        while len(self.sent) >= window:
+            self.read_next()
+        if self.again:
+            while self.sent:
+                self.read_next()
+            self.redo()
+
+    def redo(self) -> None:
+        """Run the calls refused NOSCRIPT again, in order, by the script's text (which caches
+        it), on this connection once none is in flight. A call leaves ``again`` once answered:
+        should the connection drop meanwhile, the rest go again with the unanswered ones."""
+        while self.again:
+            keys, args = self.calls[self.again[0]]
+            command = ("EVAL", self.script.text, len(keys), *keys, *args)
+            self.conn.send_packed_command([hiredis.pack_command(command)])  # type: ignore[arg-type]
+            self.replies[self.again[0]] = self.conn.read_response()
+            self.again.pop(0)
+
     def lost(self, unsent: Iterator[tuple[Sequence[str], Sequence[Arg]]]) -> None:
         """The connection dropped: every call not answered, and those not sent, go again."""
         self.conn.disconnect()
@@ -316,3 +337,26 @@ CREATE_BATCH = Script("create_batch")
 ACK = Script("ack")
 STATS = Script("stats")
 SUBMIT_CHUNK = Script("submit_chunk")
+SET_LEASES = Script("set_leases", by_text=True)
+# Each judges leases after the grace that follows Redis's refusals (lua/lease_grace.lua).
+EXPIRED_LEASES = Script(
+    "expired_leases", script_text("lease_grace") + script_text("expired_leases")
+)
+READ_LEASES = Script("read_leases", script_text("lease_grace") + script_text("read_leases"))
+REGISTER_PRESENCE = Script("register_presence")
+GIVE_BACK = Script("give_back")
+# By its text: it goes inside the MULTI that pushes the job, where a NOSCRIPT would spoil it.
+RECORD_JOB = Script("record_job", by_text=True)
+REQUEUE_ABANDONED = Script("requeue_abandoned")
+REQUEUE_DEQUEUED = Script("requeue_dequeued")
+MARK_FIRST_SEEN = Script("mark_first_seen", by_text=True)
+# Session affinity (store/affinity.py): a worker claims its hinted jobs; a job bounces to the
+# worker it prefers.
+CLAIM_HINTS = Script("claim_hints", by_text=True)
+BOUNCE_JOB = Script("bounce_job", by_text=True)
+# By its text: it goes inside the MULTI that starts jobs and the one that beats them.
+TOUCH_JOBS = Script("touch_jobs", by_text=True)
+# By its text: it goes inside the MULTI that records a job's success.
+DROP_ACKNOWLEDGED_JOB = Script("drop_acknowledged_job", by_text=True)
+# By its text: it goes inside the MULTI that starts jobs and the one that beats them.
+STAMP_EXECUTIONS = Script("stamp_executions", by_text=True)

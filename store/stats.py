@@ -6,6 +6,11 @@ same atomic step as each transition, so they never drift from the logs: live sta
 every rollout that ever ended so. Workers publish a heartbeat (``beat``) with their in-flight
 count and weight version; queue depths are rq's lists. ``read_stats`` gets all of it in one round
 trip.
+
+A heartbeat's age is judged by Redis's clock, never by a host's: a worker stamps its beat with
+the time its lease renewal read from Redis (``Leases.renew``), and readers compare it with
+Redis's clock read with the stats (``Stats.now``). Hosts whose clocks disagree by more than
+``WORKER_STALE_S`` would otherwise drop live workers from the stats, or keep dead ones.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from redis.asyncio import Redis
 from statemachine import Status
 from store import scripts
 from store.keys import Keys
+from store.pause import Pause
 
 # A worker whose last heartbeat is older than this is not counted as live (it beats every
 # HEARTBEAT_S; a dead one's entry is removed by the next reaper pass, see ``prune``).
@@ -33,22 +39,28 @@ class WorkerBeat:
     weight_version: int | None
     queues: tuple[str, ...]
     model: str
-    at: float = field(default_factory=time.time)
+    at: float = field(default_factory=time.time)  # unix s; the worker gives Redis's clock
+    # The deployment pause this worker holds (its ``Pause.at``), None while it admits: with
+    # ``in_flight`` 0 it says nothing runs there until /resume (``/pause?mode=wait``).
+    paused: float | None = None
 
     def encode(self) -> bytes:
         packed: bytes = msgpack.packb(
-            [self.in_flight, self.weight_version, list(self.queues), self.model, self.at],
+            [self.in_flight, self.weight_version, list(self.queues), self.model, self.at,
+             self.paused],
             use_bin_type=True,
-        )
+        )  # fmt: skip
         return packed
 
     @classmethod
     def decode(cls, worker_id: str, raw: bytes) -> WorkerBeat:
-        in_flight, version, queues, model, at = msgpack.unpackb(raw)
-        return cls(worker_id, in_flight, version, tuple(queues), model, at)
+        # Five fields: a worker older than the pause (it never holds one).
+        in_flight, version, queues, model, at, *paused = msgpack.unpackb(raw)
+        return cls(worker_id, in_flight, version, tuple(queues), model, at, *paused[:1])
 
-    def age_s(self, now: float | None = None) -> float:
-        return (now if now is not None else time.time()) - self.at
+    def age_s(self, now: float) -> float:
+        """``now``: Redis's clock (``Stats.now``), as the worker stamps ``at``."""
+        return now - self.at
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +69,21 @@ class Stats:
     tokens: int  # tokens ever appended (regenerated ones after a crash are counted again)
     queues: dict[str, int]  # rq queue -> jobs waiting
     workers: list[WorkerBeat]  # live ones (heartbeat younger than WORKER_STALE_S)
+    now: float  # Redis's clock when read (unix s): what the heartbeats' ages are measured by
 
     @property
     def in_flight(self) -> int:
         return sum(self.by_state[s] for s in (Status.GENERATING, Status.RESUMED))
 
 
-async def beat(redis: Redis, keys: Keys, heartbeat: WorkerBeat) -> None:
-    await redis.hset(keys.workers(), heartbeat.worker_id, heartbeat.encode())  # type: ignore[misc,arg-type]
+async def beat(redis: Redis, keys: Keys, heartbeat: WorkerBeat) -> Pause | None:
+    """The worker's line written, and the deployment's pause read, in one round trip: every
+    worker sees a ``/pause`` or ``/resume`` within one heartbeat, for no extra round trip."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hset(keys.workers(), heartbeat.worker_id, heartbeat.encode())  # type: ignore[arg-type]
+        pipe.hgetall(keys.paused())
+        _, paused = await pipe.execute()
+    return Pause.decode(paused)
 
 
 async def remove(redis: Redis, keys: Keys, worker_id: str) -> None:
@@ -72,10 +91,10 @@ async def remove(redis: Redis, keys: Keys, worker_id: str) -> None:
 
 
 async def read_stats(redis: Redis, keys: Keys) -> Stats:
-    counters, beats, queues = await scripts.STATS(redis, [keys.stats(), keys.workers()], ["rq:"])
+    counters, beats, queues, now_ms = await _read(redis, keys)
     values = _pairs(counters)
     by_state = {s: int(values.get(s.value, 0)) for s in Status}
-    now = time.time()
+    now = int(now_ms) / 1000
     workers = [WorkerBeat.decode(k.decode(), v) for k, v in _pairs_raw(beats)]
     return Stats(
         by_state=by_state,
@@ -84,21 +103,27 @@ async def read_stats(redis: Redis, keys: Keys) -> Stats:
         workers=sorted(
             (w for w in workers if w.age_s(now) <= WORKER_STALE_S), key=lambda w: w.worker_id
         ),
+        now=now,
     )
 
 
 async def prune(redis: Redis, keys: Keys, older_than_s: float = WORKER_STALE_S) -> list[str]:
     """Drop the heartbeats of workers gone quiet (killed ones never remove their own)."""
-    now = time.time()
-    beats: dict[bytes, bytes] = await redis.hgetall(keys.workers())  # type: ignore[misc]
+    _, beats, _, now_ms = await _read(redis, keys)  # one round trip every ~10 s
+    now = int(now_ms) / 1000
     stale = [
         k.decode()
-        for k, v in beats.items()
+        for k, v in _pairs_raw(beats)
         if WorkerBeat.decode(k.decode(), v).age_s(now) > older_than_s
     ]
     if stale:
         await redis.hdel(keys.workers(), *stale)  # type: ignore[misc]
     return stale
+
+
+async def _read(redis: Redis, keys: Keys) -> list[Any]:
+    """Counters, heartbeats, queue depths and Redis's clock (ms), in one round trip."""
+    return list(await scripts.STATS(redis, [keys.stats(), keys.workers()], ["rq:"]))
 
 
 def _pairs_raw(flat: list[Any]) -> list[tuple[Any, Any]]:

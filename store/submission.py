@@ -252,11 +252,6 @@ def _check_submittable(request: RolloutRequest, max_tokens_cap: int | None) -> N
     s = request.sampling
     if max_tokens_cap is not None and s.max_tokens > max_tokens_cap:
         raise InvalidRequest(f"sampling.max_tokens must be <= {max_tokens_cap}, got {s.max_tokens}")
-    if s.logprobs:
-        # The sampled token's logprob is always recorded; top-k alternatives are not stored.
-        raise InvalidRequest(
-            f"sampling.logprobs must be 0 (top-k logprobs are not recorded), got {s.logprobs}"
-        )
     size = len(msgpack.packb(request.metadata, use_bin_type=True))
     if size > defaults.MAX_METADATA_BYTES:
         raise InvalidRequest(
@@ -276,3 +271,20 @@ def _fingerprint(
         use_bin_type=True,
     )
     return hashlib.sha256(body).hexdigest()
+
+
+class Batch(list[str]):
+    """The rollout ids of one submit (group-major: the samples of prompt 0, then of prompt
+    1, ...), with the batch they belong to."""
+
+    def __init__(self, s: Submission, *, fresh: bool = False) -> None:
+        super().__init__(s.ids)
+        self.batch_id = s.batch_id
+        self.group_size = s.group_size
+        # Created by the submit that returned it (not a retry's): ``RolloutClient.wait``
+        # follows its completions from the start, its rollouts' heads unread.
+        self.fresh = fresh
+
+    def groups(self) -> list[list[str]]:
+        n = self.group_size
+        return [self[i : i + n] for i in range(0, len(self), n)]

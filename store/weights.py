@@ -1,8 +1,10 @@
 """The weight-version registry: a durable, append-only log of published checkpoints.
 
 A trainer publishes ``(version, path)``; versions only go up (the script refuses an older or
-equal one). Workers learn of a new version at once by a blocking ``XREAD`` on the log: no
-polling, and a worker that was down simply reads what it missed.
+equal one, comparing them exactly). A version is at most ``MAX_VERSION``: every token records
+the version that sampled it in an int64 array. Workers learn of a new version at once by a
+blocking ``XREAD`` on the log: no polling, and a worker that was down simply reads what it
+missed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from redis.asyncio import Redis
 from store import scripts
 from store.errors import StoreError
 from store.keys import Keys
+
+# The largest version: tokens carry theirs as int64 (and the log's entry ids could hold no
+# more than 2^64 - 1).
+MAX_VERSION = 2**63 - 1
 
 
 class StaleWeightVersion(StoreError, ValueError):
@@ -35,12 +41,20 @@ class WeightRegistry:
         self.key = (keys or Keys()).weights()
 
     async def publish(self, version: int, path: str) -> WeightVersion:
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise StaleWeightVersion(f"weight version must be an int >= 1, got {version!r}")
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 1 <= version <= MAX_VERSION
+        ):
+            raise StaleWeightVersion(
+                f"weight version must be an int in [1, {MAX_VERSION}], got {version!r}"
+            )
         if not isinstance(path, str) or not path:
             raise ValueError("weight path must be a non-empty string")
         now = time.time()
-        reply = await scripts.PUBLISH_WEIGHTS(self.redis, [self.key], [version, path, repr(now)])
+        reply = await scripts.PUBLISH_WEIGHTS(
+            self.redis, [self.key], [str(version), path, repr(now)]
+        )
         if reply[0] == b"old":
             raise StaleWeightVersion(
                 f"weight version {version} is not above the latest published ({int(reply[1])})"

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import fakeredis
+import hypothesis
 import pytest
 import pytest_asyncio
 import redis.asyncio as aredis
+from fakeredis.commands_mixins import server_mixin
 
 from store import EventStore
 from store.redis_server import RedisServer
@@ -20,6 +24,12 @@ from tests.engine_pool import cpu_pool as cpu_engine_pool
 # The `vllm` marker, the vLLM environment redirect and the shared in-process engines.
 pytest_plugins = ["tests.vllm_plugin"]
 
+# No per-example deadline: the properties are about results, and on 2 cores shared with the
+# suite's worker and vLLM processes an example's time says nothing (a CI run once failed a
+# codec property on hypothesis's 200 ms default). Every other setting stays hypothesis's own.
+hypothesis.settings.register_profile("rollouts", deadline=None)
+hypothesis.settings.load_profile("rollouts")
+
 # Tests never reach a model hub: everything they load is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -28,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Qwen3 model with a locally trained tokenizer (no download)."""
-    from workers.tiny_model import make_tiny_model
+    from workers.demo.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "dense", moe=False, seed=0)
 
@@ -36,7 +46,7 @@ def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same, Qwen3-MoE: 8 experts, top-2, 2 layers."""
-    from workers.tiny_model import make_tiny_model
+    from workers.demo.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "moe", moe=True, seed=0)
 
@@ -89,3 +99,20 @@ async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[aredis.R
 @pytest.fixture
 def store(redis_client: aredis.Redis) -> EventStore:
     return EventStore(redis_client)
+
+
+@pytest.fixture
+def host_clock(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """Set this host's wall clock (``time.time``) ``offset`` seconds away from the true one, as
+    a host without NTP or stepped by it is; Redis's clock stays true. fakeredis answers TIME
+    with ``time.time`` of its own module, which is kept on the true clock (a real Redis runs
+    on a host of its own)."""
+    real = time.time
+    offset = [0.0]
+    monkeypatch.setattr(server_mixin, "time", SimpleNamespace(time=real))
+    monkeypatch.setattr(time, "time", lambda: real() + offset[0])
+
+    def set_offset(seconds: float) -> None:
+        offset[0] = seconds
+
+    return set_offset

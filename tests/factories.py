@@ -35,9 +35,7 @@ def submitted(rid: str = "r1", max_tokens: int = 16, **kw: Any) -> Submitted:
     return Submitted(rollout_id=rid, seq=1, request=request(max_tokens, **kw))
 
 
-def started(
-    s: RolloutState, worker: str = "w1", version: int = 0, model: str = ""
-) -> Started:
+def started(s: RolloutState, worker: str = "w1", version: int = 0, model: str = "") -> Started:
     return Started(
         rollout_id=s.rollout_id,
         seq=s.seq + 1,
@@ -48,9 +46,7 @@ def started(
     )
 
 
-def resumed(
-    s: RolloutState, worker: str = "w2", version: int = 0, model: str = ""
-) -> Resumed:
+def resumed(s: RolloutState, worker: str = "w2", version: int = 0, model: str = "") -> Resumed:
     return Resumed(
         rollout_id=s.rollout_id,
         seq=s.seq + 1,
@@ -71,9 +67,17 @@ def tokens(
     attempt: int | None = None,
     offset: int | None = None,
     seq: int | None = None,
+    top: int | None = None,
 ) -> TokensAppended:
+    """``top``: the width of top-k arrays (default: what the request asked, ``logprobs``)."""
     ids = list(range(100 + s.num_tokens, 100 + s.num_tokens + n)) if ids is None else ids
     k = len(ids)
+    width = s.request.sampling.logprobs if top is None else top
+    top_ids = (
+        (np.array(ids, dtype=np.int32)[:, None] + np.arange(width, dtype=np.int32))
+        if width
+        else None
+    )
     return TokensAppended(
         rollout_id=s.rollout_id,
         seq=s.seq + 1 if seq is None else seq,
@@ -83,6 +87,10 @@ def tokens(
         logprobs=-np.arange(1, k + 1, dtype=np.float32) / 10,
         weight_versions=np.full(k, version, dtype=np.int64),
         routed_experts=(np.arange(k * 2 * 2).reshape(k, 2, 2) % 8) if routes else None,
+        top_token_ids=top_ids,
+        top_logprobs=None
+        if top_ids is None
+        else -np.arange(1, width + 1, dtype=np.float32)[None, :].repeat(k, 0) / 10,
     )
 
 

@@ -31,7 +31,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from statemachine import Event, RolloutState
-from store import EventStore, defaults
+from statemachine.errors import TransitionError
+from store import AppendRefused, EventStore, defaults
+from workers.store_condition import StoreCondition
 
 _Entry = tuple[RolloutState | None, Sequence[Event], "asyncio.Future[RolloutState]", bool]
 
@@ -51,8 +53,12 @@ class Checkpointer:
         *,
         cadence: Cadence | None = None,
         gather_s: float = defaults.CHECKPOINT_GATHER_S,
+        condition: StoreCondition | None = None,
     ) -> None:
+        """``condition``: the worker's (``workers.store_condition``); a round trip Redis refuses
+        for a condition of its own is retried until it is accepted."""
         self.store = store
+        self.condition = condition or StoreCondition()
         self.cadence = cadence or Cadence()
         self.gather_s = gather_s
         self._queue: list[_Entry] = []
@@ -176,11 +182,20 @@ class Checkpointer:
         return self._gathered
 
     async def _flush(self, batch: list[_Entry]) -> None:
+        chains = [(state, events) for state, events, _, _ in batch]
         t0 = time.perf_counter()
+
+        async def attempt() -> list[RolloutState | AppendRefused | TransitionError]:
+            nonlocal t0
+            t0 = time.perf_counter()  # the histogram times the round trip that was taken
+            return await self.store.append_many(chains)
+
         try:
-            results = await self.store.append_many(
-                [(state, events) for state, events, _, _ in batch]
-            )
+            # Refused for a condition of Redis's own (out of memory, a failed disk write):
+            # nothing was written, so the same chains go again until Redis takes them. The
+            # callers wait, and their rollouts keep generating meanwhile: an episode is a slow
+            # round trip, never a lost one, and no token is dropped or sent twice.
+            results = await self.condition.until_written(attempt, "checkpoint")
         except Exception as exc:
             # Redis unreachable: every caller gets the error and may retry its chain as is,
             # which is safe because a repeated append is recognised and not applied twice.

@@ -37,16 +37,16 @@ def _configure_make_tiny_model(parser: argparse.ArgumentParser) -> None:
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
     # Lazy: torch and transformers take seconds to import; `rollouts --help` should not.
-    from workers.tiny_model import make_tiny_model  # noqa: PLC0415
+    from workers.demo.tiny_model import make_tiny_model  # noqa: PLC0415
 
     path = make_tiny_model(args.dir, moe=args.moe, seed=args.seed)
     print(path)
     return 0
 
 
-def _lazy(module: str, configure: str, run: str) -> tuple[
-    Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
-]:
+def _lazy(
+    module: str, configure: str, run: str
+) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
     """A subcommand whose module is imported only when it is used (or its --help shown)."""
 
     def _configure(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +67,7 @@ COMMANDS: tuple[Command, ...] = (
     _command(
         "demo",
         "end-to-end demo on a tiny local model: stop a worker mid-run, lose nothing",
-        "workers.demo",
+        "workers.demo.run",
     ),
     _command(
         "worker",
@@ -82,24 +82,26 @@ COMMANDS: tuple[Command, ...] = (
     _command(
         "status",
         "rollouts by state, queue depth, and every worker's load, weights and heartbeat",
-        "workers.ops_cli",
+        "workers.ops.commands",
         "_status",
     ),
     _command(
-        "show", "one rollout's history as a timeline: attempts, aborts, weights", "workers.ops_cli",
+        "show",
+        "one rollout's history as a timeline: attempts, aborts, weights",
+        "workers.ops.commands",
         "_show",
     ),
     _command(
         "stuck",
         "rollouts that will not progress by themselves: no job, quarantined, lease expired",
-        "workers.ops_cli",
+        "workers.ops.commands",
         "_stuck",
     ),
-    _command("cancel", "cancel rollouts by id or a whole batch", "workers.ops_cli", "_cancel"),
+    _command("cancel", "cancel rollouts by id or a whole batch", "workers.ops.commands", "_cancel"),
     _command(
         "requeue",
         "give a stuck or quarantined rollout a job again (it resumes from its saved tokens)",
-        "workers.ops_cli",
+        "workers.ops.commands",
         "_requeue",
     ),
     Command(

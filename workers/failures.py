@@ -88,7 +88,7 @@ async def cancel_siblings(store: EventStore, failed: RolloutState) -> list[str]:
         why = f"group policy: sibling {failed.rollout_id} failed ({kind}: {failed.error})"
         cancelled = await cancel(store, siblings, why, refuse_ended=False)
     except Exception:
-        # Redis unreachable, or a sibling already acknowledged (RolloutNotFound): the
+        # Redis unreachable (a sibling acknowledged already is skipped, not an error): the
         # siblings run on; the trainer still sees this sample's failure.
         log.warning("rollout %s: cannot cancel its group", failed.rollout_id, exc_info=True)
         return []

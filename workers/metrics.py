@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -37,13 +37,21 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 
 from statemachine import AbortReason, FailureClass, Status
+from store.errors import Refusal
+from store.pause import MODES
 from store.weights import WeightRegistry
-from workers.runner import Outcome
+from workers.outcomes import Outcome
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from workers.worker import Worker
+    from workers.checkpoint import Checkpointer
+    from workers.engines.base import Engine
+    from workers.outcomes import Stats
+    from workers.pausing import DeploymentPause
+    from workers.reaper import Reaper
+    from workers.store_condition import StoreCondition
+    from workers.weight_updates import WeightFollower
 
 PREFIX = "rollouts_worker_"
 
@@ -53,6 +61,23 @@ CHECKPOINT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 
 # The ends a worker records for a rollout (the label values of ``rollouts_finished_total``).
 ENDED = (Status.DONE, Status.FAILED, Status.CANCELLED)
+
+
+class Observed(Protocol):
+    """What the collector reads of its worker (``workers.worker.Worker``), named here so that
+    this module need not import the worker, which imports it."""
+
+    stats: Stats
+    engine: Engine
+    heartbeat_round_trips: int
+    reaper: Reaper | None
+    weights: WeightFollower | None
+    checkpointer: Checkpointer | None
+    condition: StoreCondition
+    pause: DeploymentPause
+
+    @property
+    def config(self) -> Any: ...  # WorkerConfig: name, model_id, max_concurrency
 
 
 class WorkerMetrics:
@@ -69,7 +94,7 @@ class WorkerMetrics:
             registry=self.registry,
         )
         ProcessCollector(registry=self.registry)  # CPU, memory, open files of this process
-        self.worker: Worker | None = None
+        self.worker: Observed | None = None
         # Refreshed by the heartbeat while served (``refresh``); None/empty until then.
         self.queue_depth: dict[str, int] = {}
         self.latest_weight_version: int | None = None  # None: none published (yet)
@@ -190,7 +215,7 @@ class _WorkerCollector(Collector):
         )  # fmt: skip
         yield from self._gauges(worker)
 
-    def _gauges(self, worker: Worker) -> Iterator[Metric]:
+    def _gauges(self, worker: Observed) -> Iterator[Metric]:
         m, runner = self.metrics, getattr(worker, "runner", None)
         depth = GaugeMetricFamily(
             f"{PREFIX}queue_depth", "Jobs waiting in each queue this worker serves (refreshed "
@@ -223,6 +248,40 @@ class _WorkerCollector(Collector):
             f"{PREFIX}engine_dead", "1 once the engine died (the worker then stops)",
             value=1 if worker.stats.engine_dead is not None else 0,
         )  # fmt: skip
+        paused = GaugeMetricFamily(
+            f"{PREFIX}paused", "1 while the deployment's pause (a harness's /pause) holds on "
+            "this worker, by mode: it takes no new job (abort: its running rollouts were given "
+            "back with their progress)", labels=["mode"],
+        )  # fmt: skip
+        held = worker.pause.current
+        for mode in MODES:
+            paused.add_metric([mode], 1 if held is not None and held.mode == mode else 0)
+        yield paused
+        yield from _store_condition(worker)
+
+
+def _store_condition(worker: Observed) -> Iterator[Metric]:
+    """Redis refusing this worker's writes for a condition of its own (out of memory, a failed
+    disk write, a read-only replica): from the worker's own view, so it shows while Redis
+    takes no heartbeat (``workers.store_condition``)."""
+    condition = worker.condition
+    held = condition.refusal.refusal if condition.refusal is not None else None
+    gauge = GaugeMetricFamily(
+        f"{PREFIX}store_unwritable", "1 while Redis refuses this worker's writes, by why "
+        "(oom, misconf, readonly): the worker keeps its rollouts and retries each refused "
+        "write, and takes no new job", labels=["reason"],
+    )  # fmt: skip
+    for refusal in Refusal:
+        gauge.add_metric([refusal.value], 1 if refusal is held else 0)
+    yield gauge
+    yield _counter(
+        "store_unwritable_episodes", "Times Redis began refusing this worker's writes",
+        condition.episodes,
+    )  # fmt: skip
+    yield _counter(
+        "store_refused_writes", "Writes Redis refused for a condition of its own (each retried)",
+        condition.refused_writes,
+    )  # fmt: skip
 
 
 def _counter(name: str, doc: str, value: int) -> CounterMetricFamily:

@@ -5,10 +5,17 @@ record the abort, and a lease is removed (and the rollout re-enqueued) only by w
 it first, and only if nobody renewed it since it was read. The reaper appends events; it never
 edits state behind the log's back.
 
+The job goes back and the lease goes in one atomic step (``store.queue.give_back``), after the
+abort is recorded: an enqueue that fails (Redis out of memory) leaves the expired lease, so a
+later pass finds the rollout again, sees it aborted already (no second ``Aborted``) and gives
+it back then. Before, the lease went first and a failed enqueue stranded the rollout: aborted,
+with no job and no lease, until an operator requeued it.
+
 One bad rollout affects only itself: each expired lease is handled on its own, a transient
-error leaves that lease for the next pass, and a rollout that cannot be read at all is
-quarantined (its lease moved to the quarantine hash with the reason, logged once) so that it
-never again stands in front of the leases behind it.
+error leaves that lease for a later pass (after a backoff of its own, ``defaults.REAP_RETRY_S``,
+while the others are reaped), and a rollout that cannot be read at all is quarantined (its
+lease moved to the quarantine hash with the reason, logged once) so that it never again stands
+in front of the leases behind it.
 
 A worker whose process died need not wait for its leases to expire: its Redis connections closed
 with it, and ``store.presence`` sees that. Beside its passes over expired leases the reaper runs
@@ -27,9 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from redis import Redis as SyncRedis
-from rq import Queue
 
 from statemachine import (
     LIVE,
@@ -42,13 +49,16 @@ from statemachine import (
     commands,
 )
 from store import AppendRefused, EventStore, RolloutNotFound, defaults, stats
+from store.errors import StoreUnwritable, unwritable
 from store.leases import Leases
 from store.logs import log_event
 from store.presence import PresenceWatch
-from store.queue import enqueue_rollouts_async, rollout_queue
+from store.queue import JobWriter, give_back, rollout_queue
+from workers.backoff import Backoff
 from workers.failures import record_failure, worker_lost_aborts
+from workers.outcomes import Stats
 from workers.rq_bridge import RqBridge
-from workers.runner import Stats
+from workers.stranded import StrandedSweep
 
 log = logging.getLogger("rollouts.reaper")
 
@@ -57,6 +67,8 @@ log = logging.getLogger("rollouts.reaper")
 PRUNE_EVERY = 10
 # Rollouts of one gone worker reaped at once (each is a few round trips).
 GONE_CONCURRENCY = 16
+# Expired leases looked at per pass (oldest first), beside those waiting out a retry backoff.
+PASS_LIMIT = 100
 
 
 class Reaper:
@@ -71,8 +83,11 @@ class Reaper:
         worker_id: str = "",
         stats: Stats | None = None,
         presence: PresenceWatch | None = None,
+        stranded: StrandedSweep | None = None,
     ) -> None:
         self.store = store
+        # The net for rollouts left waiting with no job (None: not run by this reaper).
+        self.stranded = stranded
         # Other workers' presence: None, leases are recovered when they expire, only.
         self.presence = presence
         self.worker_id = worker_id  # the worker this reaper runs in (for its log lines)
@@ -82,33 +97,74 @@ class Reaper:
         self.connection = connection  # rq's (synchronous) connection
         self.jobs = jobs  # the worker's rq bridge: abandoned jobs of its queues go back
         self.max_worker_lost = max_worker_lost
-        self._queues: dict[str, Queue] = {}
+        self._writers: dict[str, JobWriter] = {}  # queue name -> its jobs' fields
+        # Rollouts whose reaping failed (their enqueue refused, Redis away): retried later.
+        self._retry = Backoff(defaults.REAP_RETRY_S, defaults.REAP_RETRY_MAX_S)
         self.recovered = 0
         self.quarantined = 0
         self.recovered_gone = 0  # of ``recovered``: rollouts of workers whose process was gone
+        # True while the reaper must leave every lease alone: its worker sees Redis refusing
+        # writes, or saw it too recently for the lapsed leases' workers to have renewed them
+        # (``StoreCondition.settling``). Nobody can renew a lease during such an episode, so a
+        # lease lapsed then says nothing about its worker. The lease scripts hold off the same
+        # way after any refusal Redis counted, whoever's it was (lua/lease_grace.lua): a
+        # reaper whose worker saw none still leaves the leases lapsed then alone.
+        self.hold: Callable[[], bool] = lambda: False
+        # Told of a write Redis refused for a condition of its own, instead of a traceback
+        # (``StoreCondition.refused``: one line per episode, and ``hold`` from then on).
+        self.on_refused: Callable[[StoreUnwritable, str], None] = lambda error, what: None
 
     async def reap_once(self) -> list[str]:
         """One pass over the expired leases; returns the rollouts given back to the queue."""
         given_back = []
-        for rid, expiry in await self.leases.expired():
+        # Those waiting out a backoff are listed too, and skipped: however many there are,
+        # PASS_LIMIT others are reaped behind them.
+        limit = PASS_LIMIT + len(self._retry)
+        expired = await self.leases.expired(limit)
+        if len(expired) < limit:
+            self._retry.keep_only(rid for rid, _ in expired)  # the rest are gone or renewed
+        for rid, expiry in expired:
+            if not self._retry.due(rid):
+                continue
             try:
-                if await self._reap(rid, expiry):
+                if await self._reap_or_quarantine(rid, expiry):
                     given_back.append(rid)
-            except CodecError as exc:
-                await self._quarantine(rid, expiry, exc)
-            except Exception:
-                # Redis hiccup or a bug on this one rollout: its lease is still expired, so
-                # the next pass tries again; the leases behind it are not held up.
-                log.warning("rollout %s: reaping failed; retrying next pass", rid, exc_info=True)
+                self._retry.done(rid)
+            except Exception as exc:
+                # Redis hiccup, its enqueue refused (out of memory) or a bug on this one
+                # rollout: its lease is still expired, so a later pass tries again; the leases
+                # behind it are not held up. Redis refusing writes is its worker's episode,
+                # logged there once.
+                delay = self._retry.failed(rid)
+                if not self._refused(exc, "reaper"):
+                    log.warning("rollout %s: reaping failed; retrying in %.1f s", rid, delay,
+                                exc_info=True)  # fmt: skip
         if self.jobs is not None:
             try:
                 for job_id in await self.jobs.requeue_abandoned():
                     log.warning("job %s: abandoned by a dead worker, requeued", job_id)
-            except Exception:
+            except Exception as exc:
                 # Redis hiccup: the abandoned jobs are still there next pass.
-                log.warning("sweep of abandoned jobs failed", exc_info=True)
+                if not self._refused(exc, "reaper"):
+                    log.warning("sweep of abandoned jobs failed", exc_info=True)
         self.recovered += len(given_back)
         return given_back
+
+    async def _reap_or_quarantine(self, rid: str, expiry: int) -> bool:
+        try:
+            return await self._reap(rid, expiry)
+        except CodecError as exc:
+            await self._quarantine(rid, expiry, exc)
+            return False
+
+    def _refused(self, exc: BaseException, what: str) -> bool:
+        """Whether ``exc`` is Redis refusing writes (out of memory, a failed disk write), told
+        to ``on_refused``: not an error of the reaper's, nor worth a traceback."""
+        refused = unwritable(exc)
+        if refused is None:
+            return False
+        self.on_refused(refused, what)
+        return True
 
     async def reap_gone(self) -> list[str]:
         """One presence check: the leases of workers whose process is gone, reaped now."""
@@ -154,9 +210,13 @@ class Reaper:
         except CodecError:
             # Unreadable: the pass over expired leases quarantines it once its lease lapses.
             return False
-        except Exception:
-            # Redis hiccup on this one: the worker is still gone at the next check.
-            log.warning("rollout %s: reaping failed; retrying next check", rid, exc_info=True)
+        except Exception as exc:
+            # Redis hiccup on this one: the worker is still gone at the next check. Had its
+            # abort been recorded and its give back refused, the lease stays; the rollout is
+            # then no longer the gone worker's live attempt, so the next check leaves it to the
+            # passes over expired leases, which give it back once that lease lapses.
+            if not self._refused(exc, "reaper"):
+                log.warning("rollout %s: reaping failed; retrying next check", rid, exc_info=True)
             return None
 
     async def _reap(self, rid: str, expiry: int, *, gone: str = "") -> bool:
@@ -183,14 +243,17 @@ class Reaper:
                 # It moved on since we read it (finished, or another reaper won): look again
                 # next pass if the lease is still expired.
                 return False
-        if not await self.leases.release_if_unchanged(rid, expiry):
-            return False  # renewed meanwhile, or another reaper took it
         if state.terminal:
+            # Failed here (its worker-lost budget spent) or ended meanwhile: no job to give.
+            await self.leases.release_if_unchanged(rid, expiry)
             return False
         # Its worker died holding its job: queue it again, on the queue it was submitted to
-        # (so on workers serving its model). If the job in fact survived, the duplicate finds
-        # the rollout taken (or done) and does nothing.
-        await enqueue_rollouts_async(self._queue(state), [rid], at_front=True)
+        # (so on workers serving its model), and the lease goes with the same step. If the
+        # job in fact survived, the duplicate finds the rollout taken (or done) and does
+        # nothing. A failure raises with the lease kept: a later pass finds it aborted and
+        # only gives it back.
+        if not await asyncio.to_thread(self._give_back, state, expiry):
+            return False  # renewed meanwhile, or another reaper took it
         log_event(
             log, logging.WARNING, "reaped",
             f"rollout {rid} attempt {state.attempt}: {why}; aborted (worker_lost), requeued "
@@ -240,40 +303,56 @@ class Reaper:
     async def _prune_workers(self) -> None:
         try:
             gone = await stats.prune(self.store.redis, self.store.keys)
-        except Exception:
+        except Exception as exc:
             # Redis unreachable: the stale heartbeats are still left out of the stats.
-            log.warning("pruning dead workers' heartbeats failed", exc_info=True)
+            if not self._refused(exc, "reaper"):
+                log.warning("pruning dead workers' heartbeats failed", exc_info=True)
             return
         if gone:
             log.info("workers gone quiet, removed from the stats: %s", gone)
 
-    def _queue(self, state: RolloutState) -> Queue:
-        queue = self._queues.get(state.queue)
-        if queue is None:
-            queue = self._queues[state.queue] = rollout_queue(self.connection, state.queue)
-        return queue
+    def _give_back(self, state: RolloutState, expiry: int) -> bool:
+        """In a thread (rq's connection is synchronous): ``store.queue.give_back``."""
+        jobs = self._writers.get(state.queue)
+        if jobs is None:
+            # Its template asks the server's version once: per queue, not per rollout.
+            queue = rollout_queue(self.connection, state.queue)
+            jobs = self._writers[state.queue] = JobWriter(queue)
+        snapshot = self.leases.keys.snapshot(state.rollout_id)
+        return give_back(jobs, self.leases.key, snapshot, state.rollout_id, expiry, at_front=True)
 
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
         """Pass after pass until ``stop`` is set (checked between passes, so a cancel that
-        redis-py swallows cannot keep it running), and the presence checks beside them."""
-        watch = None
+        redis-py swallows cannot keep it running), and beside them the presence checks and the
+        checks for stranded rollouts."""
+        beside = []
         if self.presence is not None:
-            watch = asyncio.create_task(self._watch(self.presence.check_s, stop), name="watch")
+            beside.append(
+                asyncio.create_task(self._watch(self.presence.check_s, stop), name="watch")
+            )
+        if self.stranded is not None:
+            beside.append(asyncio.create_task(self.stranded.run(stop), name="stranded"))
         try:
             await self._passes(interval_s, stop)
         finally:
-            if watch is not None:
-                watch.cancel()
-                await asyncio.wait([watch], timeout=defaults.LOOP_STOP_S)
+            for task in beside:
+                task.cancel()
+            if beside:
+                await asyncio.wait(beside, timeout=defaults.LOOP_STOP_S)
 
     async def _passes(self, interval_s: float, stop: asyncio.Event) -> None:
         passes = 0
         while not stop.is_set():
+            if self.hold():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval_s)
+                continue
             try:
                 await self.reap_once()
-            except Exception:
+            except Exception as exc:
                 # Redis unreachable (listing the leases failed): they are still there next pass.
-                log.warning("reaper pass failed", exc_info=True)
+                if not self._refused(exc, "reaper"):
+                    log.warning("reaper pass failed", exc_info=True)
             if passes % PRUNE_EVERY == 0:
                 await self._prune_workers()
             passes += 1
@@ -283,13 +362,18 @@ class Reaper:
     async def _watch(self, every_s: float, stop: asyncio.Event) -> None:
         failing = False
         while not stop.is_set():
+            if self.hold():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), every_s)
+                continue
             try:
                 await self.reap_gone()
                 failing = False
-            except Exception:
+            except Exception as exc:
                 # Redis unreachable: logged once per outage (this runs 4 times a second); the
                 # passes over expired leases carry on regardless.
-                if not failing:
+                refused = self._refused(exc, "presence check")
+                if not failing and not refused:
                     log.warning("presence check failed; retrying", exc_info=True)
                 failing = True
             with contextlib.suppress(TimeoutError):

@@ -66,18 +66,27 @@ class _Rows:
         self.logprobs = np.zeros((_ROWS, _TOKENS), dtype=np.float32)
         self.versions = np.zeros((_ROWS, _TOKENS), dtype=np.int64)
         self.routes: np.ndarray | None = None  # [rows, tokens, layers, top_k], on first use
+        # Top-k logprobs (``logprobs=k``): how many each row's request asked for, and the
+        # arrays [rows, tokens, width], made on first use (never, for rollouts that ask none).
+        self.k = np.zeros(_ROWS, dtype=np.int64)
+        self.top_ids: np.ndarray | None = None
+        self.top_lps: np.ndarray | None = None
         self.free = list(range(_ROWS - 1, -1, -1))
 
-    def acquire(self) -> int:
+    def acquire(self, k: int = 0) -> int:
+        """A free row, for a request that asked for ``k`` top logprobs per token."""
         if not self.free:
             n = len(self.fill)
             self._resize(2 * n, self.tokens.shape[1])
             self.free = list(range(2 * n - 1, n - 1, -1))
-        return self.free.pop()
+        row = self.free.pop()
+        self.k[row] = k
+        return row
 
     def release(self, row: int) -> None:
         self.fill[row] = 0
         self.saving[row] = False
+        self.k[row] = 0
         self.free.append(row)
 
     def put_ones(self, rows: np.ndarray, step: Step, picks: np.ndarray | None) -> np.ndarray:
@@ -95,6 +104,11 @@ class _Rows:
         self.versions[rows, pos] = step.weight_version
         if step.routed_experts is not None:
             self._routes_like(step.routed_experts)[rows, pos] = pick(step.routed_experts)
+        if step.top_token_ids is not None and step.top_logprobs is not None:
+            top_ids, top_lps = self._tops(step.top_token_ids.shape[1])
+            width = step.top_token_ids.shape[1]
+            top_ids[rows, pos, :width] = pick(step.top_token_ids)
+            top_lps[rows, pos, :width] = pick(step.top_logprobs)
         pos += 1
         self.fill[rows] = pos
         return pos
@@ -110,6 +124,11 @@ class _Rows:
         self.versions[row, at:end] = step.weight_version
         if step.routed_experts is not None:
             self._routes_like(step.routed_experts)[row, at:end] = step.routed_experts[lo:hi]
+        if step.top_token_ids is not None and step.top_logprobs is not None:
+            width = step.top_token_ids.shape[1]
+            top_ids, top_lps = self._tops(width)
+            top_ids[row, at:end, :width] = step.top_token_ids[lo:hi]
+            top_lps[row, at:end, :width] = step.top_logprobs[lo:hi]
         self.fill[row] = end
         return end
 
@@ -119,12 +138,30 @@ class _Rows:
         if n == 0:
             return None
         self.fill[row] = 0
+        k = int(self.k[row])
+        # A row that asked for top-k gets its first k columns (each row most likely first); if
+        # the engine gave none, none: the store then refuses the chunk (TopLogprobsMismatch).
+        tops = k and self.top_ids is not None and self.top_lps is not None
         return Joined(
             token_ids=self.tokens[row, :n].copy(),
             logprobs=self.logprobs[row, :n].copy(),
             weight_versions=self.versions[row, :n].copy(),
             routed_experts=None if self.routes is None else self.routes[row, :n].copy(),
+            top_token_ids=self.top_ids[row, :n, :k].copy() if tops else None,  # type: ignore[index]
+            top_logprobs=self.top_lps[row, :n, :k].copy() if tops else None,  # type: ignore[index]
         )
+
+    def _tops(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The top-k arrays, at least ``width`` wide (what they held is kept)."""
+        if self.top_ids is None or self.top_lps is None or self.top_ids.shape[2] < width:
+            rows, tokens = self.tokens.shape
+            ids = np.zeros((rows, tokens, width), dtype=np.int32)
+            lps = np.zeros((rows, tokens, width), dtype=np.float32)
+            if self.top_ids is not None and self.top_lps is not None:
+                old = self.top_ids.shape[2]
+                ids[:, :, :old], lps[:, :, :old] = self.top_ids, self.top_lps
+            self.top_ids, self.top_lps = ids, lps
+        return self.top_ids, self.top_lps
 
     def _routes_like(self, routes: np.ndarray) -> np.ndarray:
         if self.routes is None or self.routes.shape[2:] != routes.shape[1:]:
@@ -146,6 +183,9 @@ class _Rows:
             return b
 
         self.fill, self.saving, self.left = grown(self.fill), grown(self.saving), grown(self.left)
+        self.k = grown(self.k)
+        if self.top_ids is not None and self.top_lps is not None:
+            self.top_ids, self.top_lps = grown(self.top_ids), grown(self.top_lps)
         self.tokens, self.logprobs = grown(self.tokens), grown(self.logprobs)
         self.versions = grown(self.versions)
         if self.routes is not None:
@@ -191,7 +231,8 @@ class Stepper:
         track (``Track.ended``), as it would end a ``generate`` stream. ``nearly_free`` is
         called once the request has ``ahead`` tokens or fewer left to generate."""
         rid = request.request_id
-        track = Track(rid, self._rows.acquire(), state, asyncio.get_running_loop().create_future())
+        row = self._rows.acquire(request.sampling.logprobs)
+        track = Track(rid, row, state, asyncio.get_running_loop().create_future())
         # Like a stream that opens: it joins the next flush point, not the current one.
         track.point = self.checkpointer.flush_point()
         self._tracks[rid] = track

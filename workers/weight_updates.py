@@ -26,6 +26,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from statemachine import AbortReason
+from store.errors import unwritable
 from store.logs import log_event
 from store.weights import WeightRegistry, WeightVersion
 from workers.engines.base import Engine
@@ -93,9 +94,11 @@ class WeightFollower:
             seen = max(self.worker.engine.weight_version, self.refused)
             try:
                 newer = await self.registry.wait_newer(seen, FOLLOW_BLOCK_S)
-            except Exception:
-                # Redis unreachable beyond the client's retries: keep following once it is back.
-                log.warning("cannot read the weight log; retrying", exc_info=True)
+            except Exception as exc:
+                # Redis unreachable beyond the client's retries (or refusing an idle
+                # connection's health-check PING under MISCONF): keep following once it is back.
+                log.warning("cannot read the weight log (%s); retrying", exc,
+                            exc_info=unwritable(exc) is None)  # fmt: skip
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), FOLLOW_BLOCK_S)
                 continue

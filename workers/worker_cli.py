@@ -12,12 +12,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from store import defaults
+from store import defaults, redis_options
 from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
 from store.logs import LOG_FORMATS, log_event
 from store.logs import configure as configure_logs
-from workers import redis_options
+from workers.checkpoint import Cadence
 from workers.die_with_parent import ask_children_to_die_with_me
 from workers.engine_factory import (
     ENGINES,
@@ -27,7 +27,6 @@ from workers.engine_factory import (
     make_engine,
 )
 from workers.metrics import WorkerMetrics
-from workers.runner import Cadence
 from workers.weight_updates import WeightMode
 from workers.worker import Worker, WorkerConfig
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from store import defaults
+from store import defaults, redis_options
 from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
 from store.logs import LOG_FORMATS
@@ -20,13 +20,10 @@ from store.logs import LOG_FORMATS
 TOKEN_ENV = "ROLLOUTS_API_TOKEN"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-# A 100,000-rollout submit (the most one takes) of 64-token prompts is ~25 MB of JSON.
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = defaults.API_MAX_BODY_BYTES
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from workers import redis_options  # noqa: PLC0415
-
     redis_options.add_arguments(parser, otherwise=DEFAULT_URL)
     parser.add_argument(
         "--host",
@@ -57,8 +54,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         metavar="DIR",
         help="local tokenizer directory (HF layout) whose chat template turns chat messages "
-        "into prompt token ids (default: none; prompts must then be token ids)",
+        "into prompt token ids (default: none; prompts must then be token ids, and "
+        "/v1/chat/completions is not served: a call to it gets 422 no_tokenizer)",
     )
+    parser.add_argument(
+        "--served-model-name", metavar="NAME",
+        help="the model id /v1/models answers and harness calls name (default: the --tokenizer "
+        "path, else durable-rollouts; when set, a call naming another model gets 404)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-model-len", type=int, metavar="TOKENS",
+        help="the context length /v1/models and /tokenize report, and a generate call without "
+        "max_tokens fills (default: the --tokenizer dir's config.json, else unknown)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-waiting", type=int, default=defaults.API_MAX_WAITING,
+        help="harness calls (/inference/v1/generate, /v1/completions, ...) waiting at once on "
+        "this API; one more is refused with a status its client retries by itself "
+        f"(default {defaults.API_MAX_WAITING})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--call-timeout", type=float, default=defaults.API_CALL_TIMEOUT_S, metavar="SECONDS",
+        help="how long a harness call waits for its rollouts; then it is answered 504 (its "
+        "rollouts go on, and a retry under the same key attaches to them) "
+        f"(default {defaults.API_CALL_TIMEOUT_S:g})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--on-disconnect", choices=defaults.ON_DISCONNECT, default="keep",
+        help="a harness caller that disconnects mid-call: keep its rollouts (they finish, a "
+        "retry attaches, retention expires them) or cancel them (default keep)",
+    )  # fmt: skip
     parser.add_argument(
         "--log-format", choices=LOG_FORMATS, default="text",
         help="text for people, json (one object per line) for log shippers (default text)",
@@ -67,7 +92,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from store import logs  # noqa: PLC0415
-    from workers import redis_options  # noqa: PLC0415
 
     logs.configure(args.log_format)
     try:
@@ -77,6 +101,12 @@ def run(args: argparse.Namespace) -> int:
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
     if token is not None and not token.strip():
         return _refuse(f"the API token (--token or ${TOKEN_ENV}) is empty")
+    if args.max_waiting < 1:
+        return _refuse(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        return _refuse(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if not 0 < args.call_timeout < float("inf"):
+        return _refuse(f"--call-timeout must be > 0 seconds, got {args.call_timeout}")
     if args.max_body_bytes < 1024:
         return _refuse(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     problem = redis_options.check(url)
@@ -92,6 +122,8 @@ def _serve(args: argparse.Namespace, url: str, token: str | None) -> int:
     from store.logs import log_event  # noqa: PLC0415
 
     from .app import make_app  # noqa: PLC0415
+    from .harness.call import Calls  # noqa: PLC0415
+    from .harness.served import from_args  # noqa: PLC0415
 
     log = logging.getLogger("rollouts.api")
     tokenizer: Any = None
@@ -102,8 +134,11 @@ def _serve(args: argparse.Namespace, url: str, token: str | None) -> int:
 
     async def app() -> web.Application:
         client = RolloutClient(url, queue_name=args.queue, tokenizer=tokenizer)
+        served = from_args(args.served_model_name, args.max_model_len, args.tokenizer)
+        calls = Calls(client, max_waiting=args.max_waiting, on_disconnect=args.on_disconnect,
+                      timeout_s=args.call_timeout, served=served)  # fmt: skip
         return make_app(client, token=token, max_body_bytes=args.max_body_bytes,
-                        close_client=True)  # fmt: skip
+                        close_client=True, calls=calls)  # fmt: skip
 
     log_event(log, logging.INFO, "start", "API listening", host=args.host, port=args.port,
               redis=redact(url), auth=token is not None, queue=args.queue)  # fmt: skip

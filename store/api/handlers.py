@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
@@ -17,11 +16,11 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from statemachine import InvalidRequest, RolloutRequest, SamplingParams
-from store import completions
+from store import completions, defaults, writable
 from store.client import RolloutClient
 from store.completions import WaitTimeout
 from store.errors import RolloutNotFound
-from store.keys import check_batch_id, check_rollout_id
+from store.keys import check_batch_id, check_rollout_id, check_session_id
 from store.logs import log_event
 from store.results import RolloutResult
 from store.submission import ChatRequest, Prompt
@@ -57,19 +56,27 @@ async def parse(request: web.Request, model: type[M]) -> M:
 def _path_id(request: web.Request, name: str) -> str:
     value = request.match_info[name]
     try:
-        return (check_batch_id if name == "batch_id" else check_rollout_id)(value)
+        check = {"batch_id": check_batch_id, "session_id": check_session_id}
+        return check.get(name, check_rollout_id)(value)
     except ValueError as exc:
         raise ApiError(422, "invalid_id", str(exc), name) from None
 
 
 class Handlers:
-    def __init__(self, client: RolloutClient, metrics: ApiMetrics) -> None:
+    def __init__(
+        self,
+        client: RolloutClient,
+        metrics: ApiMetrics,
+        *,
+        submit: type[schemas.SubmitRequest] = schemas.SubmitRequest,
+    ) -> None:
         self.client = client
         self.metrics = metrics
+        self.submit_body = submit  # SubmitTokensRequest without a tokenizer (``app``)
 
     # -- submit -------------------------------------------------------------------------------
     async def submit(self, request: web.Request) -> web.Response:
-        body = await parse(request, schemas.SubmitRequest)
+        body = await parse(request, self.submit_body)
         shared = _sampling(body.sampling, len(body.prompts))
         prompts = [_prompt(i, p, shared[i]) for i, p in enumerate(body.prompts)]
         batch = await self.client.submit(
@@ -105,6 +112,10 @@ class Handlers:
     async def batches(self, request: web.Request) -> web.Response:
         return reply(request, {"batches": await self.client.batches()})
 
+    async def session(self, request: web.Request) -> web.Response:
+        session_id = _path_id(request, "session_id")
+        return reply(request, views.session(session_id, await self.client.session(session_id)))
+
     async def stats(self, request: web.Request) -> web.Response:
         stats, latest = await asyncio.gather(self.client.stats(), self.client.weights.latest())
         return reply(request, views.stats(stats, latest))
@@ -112,46 +123,49 @@ class Handlers:
     # -- the result stream --------------------------------------------------------------------
     async def results(self, request: web.Request) -> web.StreamResponse:
         batch_id = _path_id(request, "batch_id")
+        query_args = _single(request)
+        if "take" in query_args:
+            # It cancels the rest of the batch: not a GET, which retries and prefetchers
+            # repeat at will. Named here, not refused as a mere unknown parameter.
+            raise ApiError(
+                422, "take_is_a_post",
+                f"take cancels the rest of the batch, so it is not a GET: POST "
+                f"/v1/batches/{batch_id}/take with {{\"groups\": k}}", "take",
+            )  # fmt: skip
         try:
-            query = schemas.ResultsQuery.model_validate(_single(request))
+            query = schemas.ResultsQuery.model_validate(query_args)
         except ValidationError as exc:
             raise from_validation(exc) from None
         await self.client.batch(batch_id)  # 404 now, before the stream's 200 is sent
-        out = wire.wants_msgpack(request.headers.get("Accept", ""))
-        response = web.StreamResponse(
-            headers={"Content-Type": wire.MSGPACK if out else wire.NDJSON}
+        # And a position that is none of the batch's results: 422 now, not an error line.
+        await completions.check_position(
+            self.client.redis, self.client.keys, batch_id, query.after or completions.START
         )
-        await response.prepare(request)
         results = self.client.results(
-            batch_id,
-            after=query.after or completions.START,
-            take=query.take,
-            timeout=query.timeout,
+            batch_id, after=query.after or completions.START, timeout=query.timeout
         )
-        newline = b"" if out else b"\n"
-        try:
-            await _stream(response, results, out, newline, batch_id)
-        except ConnectionResetError:
-            # The consumer went away: nothing to tell it. It re-attaches with after=.
-            return response
-        finally:
-            # Ends its blocked XREAD now rather than whenever the generator is collected.
-            aclose = getattr(results, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        await response.write_eof()
-        return response
+        return await _serve(request, results, batch_id)
+
+    async def take(self, request: web.Request) -> web.StreamResponse:
+        batch_id = _path_id(request, "batch_id")
+        body = await parse(request, schemas.TakeRequest)
+        await self.client.batch(batch_id)
+        results = self.client.results(batch_id, take=body.groups, timeout=body.timeout)
+        log_event(log, logging.INFO, "take", "taking the first groups of a batch",
+                  batch_id=batch_id, groups=body.groups)  # fmt: skip
+        return await _serve(request, results, batch_id)
 
     # -- writes -------------------------------------------------------------------------------
     async def cancel(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.CancelRequest)
         try:
-            cancelled = await self.client.cancel(
-                body.ids, batch_id=body.batch_id, group=body.group, reason=body.reason
-            )
+            cancelled = await self.client.cancel(body.ids, batch_id=body.batch_id,
+                                                 group=body.group, session=body.session,
+                                                 reason=body.reason)  # fmt: skip
         except ValueError as exc:
             raise _documented(exc, "group") from None
         log_event(log, logging.INFO, "cancel", "rollouts cancelled", batch_id=body.batch_id,
+                  session=body.session,
                   group=body.group, named=len(body.ids or ()),
                   cancelled=len(cancelled))  # fmt: skip
         return reply(request, {"cancelled": cancelled})
@@ -159,10 +173,13 @@ class Handlers:
     async def ack(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.AckRequest)
         try:
-            report = await self.client.ack(body.ids, batch_id=body.batch_id, group=body.group)
+            report = await self.client.ack(
+                body.ids, batch_id=body.batch_id, group=body.group, session=body.session
+            )
         except ValueError as exc:
             raise _documented(exc, "group") from None
         log_event(log, logging.INFO, "ack", "rollouts acknowledged", batch_id=body.batch_id,
+                  session=body.session,
                   acked=len(report.acked), live=len(report.live),
                   missing=len(report.missing))  # fmt: skip
         return reply(request, views.ack(report))
@@ -175,19 +192,55 @@ class Handlers:
 
     # -- operations ---------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
+        """Healthy when Redis answers and accepts writes; otherwise 503 with why (``reason``:
+        unreachable, or the condition it refuses writes for, with a Retry-After)."""
+        c = self.client
         try:
-            await asyncio.wait_for(self.client.redis.ping(), HEALTH_TIMEOUT_S)  # type: ignore[arg-type]
+            refused = await asyncio.wait_for(writable.refusal(c.redis, c.keys), HEALTH_TIMEOUT_S)
         except Exception as exc:  # down, timed out or refused: unhealthy either way
-            return reply(request, {"status": "unavailable", "redis": type(exc).__name__}, 503)
+            why = {"status": "unavailable", "redis": type(exc).__name__, "reason": "unreachable"}
+            return reply(request, why, 503)
+        if refused is not None:
+            # It answers, but the trainer's submits and the workers' checkpoints are refused.
+            why = {"status": "unavailable", "redis": str(refused), "reason": refused.refusal.value}
+            response = reply(request, why, 503)
+            response.headers["Retry-After"] = str(defaults.STORE_RETRY_AFTER_S)
+            return response
         return reply(request, {"status": "ok", "redis": "ok"})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        stats, latest = await asyncio.gather(self.client.stats(), self.client.weights.latest())
-        self.metrics.cluster.refresh(stats, latest, time.time())
+        c = self.client
+        stats, latest, refused = await asyncio.gather(
+            c.stats(), c.weights.latest(), writable.refusal(c.redis, c.keys)
+        )
+        # stats.now: Redis's clock (see store.stats).
+        self.metrics.cluster.refresh(stats, latest, stats.now, refused)
         return web.Response(
             body=self.metrics.render(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
+
+
+async def _serve(
+    request: web.Request, results: AsyncIterator[RolloutResult], batch_id: str
+) -> web.StreamResponse:
+    """Stream ``results`` as NDJSON (or a msgpack sequence) once the checks have passed."""
+    out = wire.wants_msgpack(request.headers.get("Accept", ""))
+    response = web.StreamResponse(headers={"Content-Type": wire.MSGPACK if out else wire.NDJSON})
+    await response.prepare(request)
+    newline = b"" if out else b"\n"
+    try:
+        await _stream(response, results, out, newline, batch_id)
+    except ConnectionResetError:
+        # The consumer went away: nothing to tell it. It re-attaches with after=.
+        return response
+    finally:
+        # Ends its blocked XREAD now rather than whenever the generator is collected.
+        aclose = getattr(results, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    await response.write_eof()
+    return response
 
 
 async def _stream(
@@ -253,13 +306,16 @@ def _params(s: schemas.Sampling, where: str) -> SamplingParams:
         raise _at(where, exc) from None
 
 
-def _prompt(i: int, p: schemas.Prompt, shared: SamplingParams | None) -> Prompt:
+def _prompt(
+    i: int, p: schemas.Prompt | schemas.TokensPrompt, shared: SamplingParams | None
+) -> Prompt:
     where = f"prompts.{i}"
     own = None if p.sampling is None else _params(p.sampling, f"{where}.sampling")
     sampling = shared or own
     try:
-        if p.messages is not None:
-            messages: Sequence[dict[str, Any]] = [m.model_dump() for m in p.messages]
+        chat = getattr(p, "messages", None)  # a TokensPrompt has none
+        if chat is not None:
+            messages: Sequence[dict[str, Any]] = [m.model_dump() for m in chat]
             return ChatRequest(messages=messages, sampling=sampling, metadata=p.metadata,
                                max_staleness=p.max_staleness)  # fmt: skip
         if sampling is None:

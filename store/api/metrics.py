@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from statemachine import Status
+from store.errors import Refusal, StoreUnwritable
 from store.stats import Stats
 from store.weights import WeightVersion
 
@@ -31,9 +32,17 @@ class ClusterCollector(Collector):
         self.stats: Stats | None = None
         self.latest: WeightVersion | None = None
         self.now = 0.0
+        self.refusal: StoreUnwritable | None = None
 
-    def refresh(self, stats: Stats, latest: WeightVersion | None, now: float) -> None:
-        self.stats, self.latest, self.now = stats, latest, now
+    def refresh(
+        self,
+        stats: Stats,
+        latest: WeightVersion | None,
+        now: float,
+        refusal: StoreUnwritable | None = None,
+    ) -> None:
+        """``refusal``: why Redis refuses writes now (``store.writable``), or None."""
+        self.stats, self.latest, self.now, self.refusal = stats, latest, now, refusal
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
@@ -67,6 +76,14 @@ class ClusterCollector(Collector):
             "rollouts_weight_version_latest", "Newest published weight version (0: none)",
             value=latest,
         )  # fmt: skip
+        refused = GaugeMetricFamily(
+            "rollouts_store_unwritable", "1 while Redis refuses writes, by why (oom: out of "
+            "memory, misconf: a failed disk write, readonly: a replica)", labels=["reason"],
+        )  # fmt: skip
+        held = None if self.refusal is None else self.refusal.refusal
+        for refusal in Refusal:
+            refused.add_metric([refusal.value], 1 if refusal is held else 0)
+        yield refused
         yield from self._workers(s, latest)
 
     def _workers(self, s: Stats, latest: int) -> Iterator[Metric]:

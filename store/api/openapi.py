@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
-from . import schemas, wire
+from . import fields, schemas, wire
 
 if TYPE_CHECKING:
-    from .app import Route
+    from .route import Route
 
 REF = "#/components/schemas/{model}"
 _STATUS_TEXT = {
@@ -22,13 +22,40 @@ _STATUS_TEXT = {
     409: "Conflicts with what is recorded (batch id reused, rollout ended, stale version)",
     413: "Body over --max-body-bytes",
     422: "A field is invalid; error.field names it",
+    429: "More harness calls wait on this API than --max-waiting: nothing was recorded; "
+    "retry after Retry-After seconds",
     500: "Unexpected server error (no internals in the body)",
-    503: "Redis does not answer",
+    503: "Redis does not answer, or refuses writes (out of memory, a failed disk write, a "
+    "read-only replica): nothing was written; retry after Retry-After seconds",
+    504: "The call did not end in time; its rollouts go on, and a retry under the same key "
+    "attaches to them",
+}
+
+_HARNESS_STATUS_TEXT = {
+    404: "No such model (a configured --served-model-name differs), or no such route",
+    503: "Over --max-waiting calls (plain text, Retry-After), or Redis does not answer",
+    504: "The call outlived the API's wait (plain text, Retry-After); a retry attaches",
+}
+
+
+# What a submit's answer leads to (OpenAPI links): its batch and its rollouts, by the ids in it.
+_BATCH = {"batch_id": "$response.body#/batch_id"}
+_FIRST_ROLLOUT = {"rollout_id": "$response.body#/ids/0"}
+LINKS: dict[str, dict[str, dict[str, Any]]] = {
+    "submit": {
+        "Batch": {"operationId": "batch", "parameters": _BATCH},
+        "Results": {"operationId": "results", "parameters": _BATCH},
+        "Take": {"operationId": "take", "parameters": _BATCH},
+        "FirstRollout": {"operationId": "rollout", "parameters": _FIRST_ROLLOUT},
+        "FirstRolloutEvents": {"operationId": "events", "parameters": _FIRST_ROLLOUT},
+    },
 }
 
 
 def build(routes: Sequence[Route], *, secured: bool) -> dict[str, Any]:
     models: set[type[BaseModel]] = {schemas.ErrorBody, schemas.StreamError}
+    if any(r.harness for r in routes):
+        models.add(schemas.OpenAIErrorBody)
     for r in routes:
         models.update(m for m in (r.body, r.response) if m is not None)
     ordered = sorted(models, key=lambda m: m.__name__)
@@ -68,26 +95,51 @@ def _content(schema: dict[str, Any]) -> dict[str, Any]:
 def _operation(r: Route, secured: bool) -> dict[str, Any]:
     op: dict[str, Any] = {"operationId": r.name, "summary": r.summary, "parameters": []}
     for name in _path_params(r.path):
-        op["parameters"].append(
-            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-        )
+        schema = TypeAdapter(fields.PATH_PARAMS[name]).json_schema()
+        op["parameters"].append({"name": name, "in": "path", "required": True, "schema": schema})
     if r.query is not None:
-        for name, prop in r.query.model_json_schema()["properties"].items():
-            op["parameters"].append({"name": name, "in": "query", "required": False,
-                                     "schema": prop})  # fmt: skip
+        query = r.query.model_json_schema()
+        needed = set(query.get("required", ()))  # fields without a default
+        for name, prop in query["properties"].items():
+            op["parameters"].append({"name": name, "in": "query", "required": name in needed,
+                                     "schema": _absent_not_null(prop)})  # fmt: skip
     if r.body is not None:
         op["requestBody"] = {"required": True, "content": _content(_ref(r.body))}
     op["responses"] = {"200": _success(r)}
+    if r.name in LINKS:
+        op["responses"]["200"]["links"] = LINKS[r.name]
     errors = set(r.errors) | {500}
     if secured and r.path != "/healthz":
         errors.add(401)
         op["security"] = [{"bearer": []}]
     for status in sorted(errors):
-        op["responses"][str(status)] = {
-            "description": _STATUS_TEXT[status],
-            "content": _content(_ref(schemas.ErrorBody)),
-        }
+        op["responses"][str(status)] = _error(r, status)
     return op
+
+
+def _error(r: Route, status: int) -> dict[str, Any]:
+    if not r.harness:
+        return {"description": _STATUS_TEXT[status], "content": _content(_ref(schemas.ErrorBody))}
+    # Harness routes answer JSON only, in OpenAI's/vLLM's error body; a generate route's
+    # overload (503) and outlived wait (504) are plain text, which SkyRL's client retries.
+    text = _HARNESS_STATUS_TEXT.get(status, _STATUS_TEXT.get(status, ""))
+    content: dict[str, Any] = {wire.JSON: {"schema": _ref(schemas.OpenAIErrorBody)}}
+    # (The OpenAI routes answer overload with a JSON 429 instead, which openai retries.)
+    if status in (503, 504) and 429 not in r.errors:
+        content = {**content, "text/plain": {"schema": {"type": "string"}}}
+    return {"description": text, "content": content}
+
+
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "contentMediaType": wire.JSON,
+                 "description": "One chunk of the answer as JSON; the last event is [DONE]."},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+    },
+}  # fmt: skip
 
 
 def _success(r: Route) -> dict[str, Any]:
@@ -103,7 +155,24 @@ def _success(r: Route) -> dict[str, Any]:
             "(timeout) ends with a StreamError line.",
             "content": {wire.NDJSON: {"schema": line}, wire.MSGPACK: {"schema": line}},
         }
+    if r.harness:
+        content: dict[str, Any] = {wire.JSON: {"schema": _ref(r.response)}}
+        if r.body is not None and "stream" in r.body.model_fields:
+            # stream: true answers server-sent events of the same choices. Before OpenAPI 3.2
+            # (itemSchema), an event stream's `schema` describes one event, as an object of
+            # its fields (schemathesis checks each event so).
+            content["text/event-stream"] = {"schema": _SSE_EVENT}
+        return {"description": "OK", "content": content}
     return {"description": "OK", "content": _content(_ref(r.response))}
+
+
+def _absent_not_null(prop: dict[str, Any]) -> dict[str, Any]:
+    """A query parameter is left out, never null: ``X | None`` is documented as ``X``."""
+    branches = [b for b in prop.get("anyOf", ()) if b != {"type": "null"}]
+    if "anyOf" in prop and len(branches) == 1:
+        rest = {k: v for k, v in prop.items() if k not in ("anyOf", "default")}
+        return {**branches[0], **rest}
+    return prop
 
 
 def _path_params(path: str) -> list[str]:

@@ -2,11 +2,18 @@
 
 The handlers validate every request body with these models, and ``/openapi.json`` is
 generated from them (``openapi.py``): one definition, so the document cannot drift from what
-is enforced. Models are strict (no "1" for 1, no 1.0 for 1) and refuse unknown fields, as
+is enforced. Models are strict (no "1" for 1, no true for 1) and refuse unknown fields, as
 ``statemachine.request`` does; the ranges the domain checks are repeated here as constraints
 so that the document tells a client what is accepted and a refusal names the exact field
-(``loc``). What only the trainer API can check (ids already taken, a batch id reused for
-another submission, the metadata's packed size) is still refused by it, with a 4xx.
+(``loc``). The document says exactly what is accepted, as a JSON Schema client reads it
+(``tests/api/test_schema_drift.py``, and schemathesis in ``test_schemathesis.py``): patterns
+in the syntax ECMA-262 and Python read alike, 1362.0 taken as the integer it is to JSON,
+"exactly one of" and "only with" written as ``oneOf``/``anyOf``. What JSON Schema cannot state
+is said in the descriptions and refused with a 4xx naming the field: one ``sampling`` per
+prompt when a list, ``ids`` counting prompts x n, ``min_tokens`` <= ``max_tokens``, at most
+100,000 rollouts, metadata's packed size; and what only the store knows (ids already taken, a
+batch id reused for another submission, a stale weight version: 409; an unknown batch, group
+or rollout: 404).
 
 Response models describe what the handlers send. The result stream and the rollout views are
 built as plain dicts for speed (a pydantic round trip per result would halve the stream's
@@ -17,18 +24,33 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic.config import JsonDict
+from pydantic.json_schema import SkipJsonSchema
 
+from statemachine import MAX_LOGPROBS
 from store import defaults
 
-INT64_MAX = 2**63 - 1
-
-NonNegInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
-Id = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^{}:\s]+$")]
-BatchId = Annotated[str, Field(min_length=1, max_length=160, pattern=r"^[^{}:\s]+$")]
-GroupPolicyName = Literal["sample", "group"]
-StateName = Literal["pending", "generating", "aborted", "resumed", "done", "failed", "cancelled"]
+from .fields import (
+    INT64_MAX,
+    NOT_NULL,
+    VERSION_MAX,
+    BatchId,
+    GroupPolicyName,
+    Id,
+    Integral,
+    Metadata,
+    NonNegInt,
+    SessionId,
+    StateName,
+    TokenIds,
+)
 
 
 class Strict(BaseModel):
@@ -37,28 +59,50 @@ class Strict(BaseModel):
 
 # -- requests ---------------------------------------------------------------------------------
 class Sampling(Strict):
-    """vLLM-style sampling parameters (``statemachine.SamplingParams``)."""
+    """vLLM-style sampling parameters (``statemachine.SamplingParams``); ``min_tokens`` at
+    most ``max_tokens``."""
 
-    max_tokens: Annotated[int, Field(ge=1, le=defaults.MAX_TOKENS_CAP)]
+    max_tokens: Annotated[int, Field(ge=1, le=defaults.MAX_TOKENS_CAP), Integral]
     min_tokens: NonNegInt = 0
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = 0
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX), Integral] = 0
     seed: NonNegInt | None = None
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] = []
-    stop_token_ids: list[TokenId] = []
+    stop_token_ids: TokenIds = []
     ignore_eos: bool = False
-    # Top-k alternatives are not recorded: only 0 is accepted (the sampled logprob is kept).
-    logprobs: Annotated[int, Field(ge=0, le=0)] = 0
+    # vLLM's logprobs=k: the k most likely tokens per generated token and their logprobs,
+    # recorded with the tokens and returned in the result (the sampled logprob is always kept).
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral] = 0
     cap_to_context: bool = False
 
 
 class Message(BaseModel):
-    """One chat message; needs an API started with ``--tokenizer`` (its chat template)."""
+    """One chat message, as the API's chat template (``--tokenizer``) takes it."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Annotated[str, Field(min_length=1)]
     content: Any
+
+
+class TokensPrompt(Strict):
+    """One prompt as token ids: what an API started without ``--tokenizer`` takes."""
+
+    # Not in the document (so not allowed by it): named here only to refuse it by name, first
+    # (the missing prompt_token_ids would be the first error otherwise).
+    messages: SkipJsonSchema[Any] = None
+    prompt_token_ids: Annotated[TokenIds, Field(min_length=1)]
+    sampling: Sampling | None = None
+    metadata: Metadata = {}
+    max_staleness: NonNegInt | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _no_messages(cls, value: Any) -> Any:
+        raise ValueError(
+            "messages need an API started with --tokenizer (its chat template); this one "
+            "takes prompt_token_ids"
+        )
 
 
 class Prompt(Strict):
@@ -68,17 +112,18 @@ class Prompt(Strict):
         extra="forbid",
         strict=True,
         json_schema_extra={
+            # Exactly one of the two given non-null (either may be there as null).
             "oneOf": [
-                {"required": ["prompt_token_ids"], "not": {"required": ["messages"]}},
-                {"required": ["messages"], "not": {"required": ["prompt_token_ids"]}},
+                {"required": ["prompt_token_ids"], "properties": {"prompt_token_ids": NOT_NULL}},
+                {"required": ["messages"], "properties": {"messages": NOT_NULL}},
             ]
         },
     )
 
-    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    prompt_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
     sampling: Sampling | None = None
-    metadata: dict[str, Any] = {}
+    metadata: Metadata = {}
     max_staleness: NonNegInt | None = None
 
     @model_validator(mode="after")
@@ -88,31 +133,72 @@ class Prompt(Strict):
         return self
 
 
+_DISTINCT: JsonDict = {"uniqueItems": True}
+# Every prompt needs sampling: the body's, or its own.
+_SAMPLED: JsonDict = {
+    "anyOf": [
+        {"required": ["sampling"], "properties": {"sampling": NOT_NULL}},
+        {"properties": {"prompts": {"items": {"required": ["sampling"],
+                                              "properties": {"sampling": NOT_NULL}}}}},
+    ]
+}  # fmt: skip
+
+
 class SubmitRequest(Strict):
-    """``RolloutClient.submit``: ``n`` samples of each prompt. ``sampling`` (one, or one per
-    prompt) replaces the prompts' own; every prompt needs sampling from one or the other.
-    ``batch_id`` is the idempotency key: a retry returns the same ids and enqueues nothing."""
+    """``RolloutClient.submit``: ``n`` samples of each prompt. ``sampling`` (one, or a list of
+    one per prompt) replaces the prompts' own; every prompt needs sampling from one or the
+    other. ``batch_id`` is the idempotency key: a retry returns the same ids and enqueues
+    nothing; ``ids``: one distinct id per rollout (prompts x n of them). At most
+    100,000 rollouts (prompts x n) in one submit."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_SAMPLED)
 
     prompts: Annotated[list[Prompt], Field(min_length=1)]
-    n: Annotated[int, Field(ge=1, le=defaults.MAX_GROUP_SIZE)] = 1
-    sampling: Sampling | list[Sampling] | None = None
+    n: Annotated[int, Field(ge=1, le=defaults.MAX_GROUP_SIZE), Integral] = 1
+    sampling: Sampling | Annotated[list[Sampling], Field(min_length=1)] | None = None
     batch_id: BatchId | None = None
-    ids: list[Id] | None = None
+    ids: Annotated[list[Id], Field(min_length=1, json_schema_extra=_DISTINCT)] | None = None
     group_policy: GroupPolicyName = "sample"
+
+
+class SubmitTokensRequest(SubmitRequest):
+    """``SubmitRequest`` of an API started without ``--tokenizer``: prompts as token ids."""
+
+    prompts: Annotated[list[TokensPrompt], Field(min_length=1)]  # type: ignore[assignment]
+
+
+# Exactly one of ids, batch_id and session (non-null), and a group only with a batch_id.
+_BY_BATCH: JsonDict = {"required": ["batch_id"], "properties": {"batch_id": {"type": "string"}}}
+_BY_SESSION: JsonDict = {"required": ["session"], "properties": {"session": {"type": "string"}}}
+_ONE_TARGET: JsonDict = {
+    "oneOf": [
+        {"required": ["ids"], "properties": {"ids": {"type": "array"}}},
+        _BY_BATCH,
+        _BY_SESSION,
+    ],
+    "anyOf": [{"properties": {"group": {"type": "null"}}}, _BY_BATCH],
+}
 
 
 class Target(Strict):
     """Rollouts named by ``ids``, or a whole batch, or one group of it (``batch_id`` and
-    ``group``): exactly one of ``ids`` and ``batch_id``."""
+    ``group``), or every call of a ``session`` (``X-Session-ID``): exactly one of ``ids``,
+    ``batch_id`` and ``session``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_ONE_TARGET)
 
     ids: Annotated[list[Id], Field(min_length=1)] | None = None
     batch_id: BatchId | None = None
     group: NonNegInt | None = None
+    session: SessionId | None = None
 
     @model_validator(mode="after")
     def _one_target(self) -> Target:
-        if (self.ids is None) == (self.batch_id is None):
-            raise ValueError("name either ids or a batch_id (with a group, for one group)")
+        named = [x for x in (self.ids, self.batch_id, self.session) if x is not None]
+        if len(named) != 1:
+            raise ValueError(
+                "name one of ids, a batch_id (with a group, for one group) or a session"
+            )
         if self.group is not None and self.batch_id is None:
             raise ValueError("group needs batch_id, not ids")
         return self
@@ -130,24 +216,31 @@ class AckRequest(Target):
 class PublishWeightsRequest(Strict):
     """Weight ``version`` (above every published one) at checkpoint ``path``."""
 
-    version: Annotated[int, Field(ge=1, le=INT64_MAX)]
+    version: Annotated[int, Field(ge=1, le=VERSION_MAX), Integral]
     path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+# A stream entry id: two decimal integers (explicit digits: a regex's \d is Unicode to Python
+# and Rust, ASCII to ECMA-262); at most 19 digits each, so within Redis' 64 bits.
+Position = Annotated[str, Field(pattern=r"^[0-9]{1,19}-[0-9]{1,19}$")]
+Timeout = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]
 
 
 class ResultsQuery(Strict):
     """The query of ``GET /v1/batches/{batch_id}/results`` (strings, as in a URL)."""
 
-    after: Annotated[str, Field(pattern=r"^\d+-\d+$")] | None = None
-    take: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-    timeout: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] | None = None
+    after: Position | None = None
+    timeout: Timeout | None = None
 
     model_config = ConfigDict(extra="forbid", strict=False)
 
-    @model_validator(mode="after")
-    def _take_from_start(self) -> ResultsQuery:
-        if self.take is not None and self.after is not None:
-            raise ValueError("take counts groups from the start of the batch: no after")
-        return self
+
+class TakeRequest(Strict):
+    """``POST /v1/batches/{batch_id}/take``: the first ``groups`` groups to finish, whole,
+    then the rest of the batch is cancelled (``RolloutClient.results(take=k)``)."""
+
+    groups: Annotated[int, Field(ge=1, le=INT64_MAX), Integral]
+    timeout: Timeout | None = None
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -172,6 +265,21 @@ class ErrorBody(Strict):
     """Every 4xx and 5xx. ``field`` names the request field at fault (``prompts.0.n``)."""
 
     error: ErrorDetail
+
+
+class OpenAIErrorDetail(Strict):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class OpenAIErrorBody(Strict):
+    """Every 4xx and 5xx of the harness endpoints (OpenAI's and vLLM's error body, which the
+    harnesses' clients parse): ``param`` names the request field at fault, ``code`` is the
+    status."""
+
+    error: OpenAIErrorDetail
 
 
 class SubmitResponse(Strict):
@@ -209,6 +317,13 @@ class Result(Strict):
     sample_index: int
     group_size: int
     position: str
+    top_token_ids: PackedArray | None = Field(
+        description="int32 [tokens, k]: each token's k most likely tokens, most likely first, "
+        "for a request with sampling.logprobs = k; null when it asked for none"
+    )
+    top_logprobs: PackedArray | None = Field(
+        description="float32 [tokens, k]: the raw logprobs of top_token_ids; null when none"
+    )
 
 
 class StreamError(Strict):
@@ -255,6 +370,24 @@ class BatchInfo(Strict):
     ids: list[str]
 
 
+class SessionCall(Strict):
+    """One call of a session: its batch, when it was first made (unix s), its rollouts and
+    their states (``gone``: acknowledged or expired on its own)."""
+
+    batch_id: str
+    at: float
+    group_size: int
+    ids: list[str]
+    states: list[StateName | Literal["gone"]]
+
+
+class Session(Strict):
+    """A session's calls in the order they were made (none for an unknown session)."""
+
+    session_id: str
+    calls: list[SessionCall]
+
+
 class BatchList(Strict):
     batches: list[str]
 
@@ -299,3 +432,6 @@ class Stats(Strict):
 class Health(Strict):
     status: Literal["ok", "unavailable"]
     redis: str
+    # Why unavailable: "unreachable", or what Redis refuses writes for ("oom": out of memory,
+    # "misconf": a failed RDB/AOF write, "readonly": a read-only replica).
+    reason: Literal["unreachable", "oom", "misconf", "readonly"] | None = None

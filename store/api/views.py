@@ -7,15 +7,16 @@ per rollout and a model round trip would cost more than the rest of the line.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 
 from statemachine import Event, RolloutState, codec
+from statemachine.arrays import unpack_array
 from store.batches import BatchInfo
 from store.lifecycle import AckReport
 from store.results import RolloutResult
+from store.sessions import SessionCall
 from store.stats import Stats
 from store.weights import WeightVersion
 
@@ -66,6 +67,8 @@ def result(r: RolloutResult) -> dict[str, Any]:
         "sample_index": r.sample_index,
         "group_size": r.group_size,
         "position": r.position,
+        "top_token_ids": None if r.top_token_ids is None else packed(r.top_token_ids),
+        "top_logprobs": None if r.top_logprobs is None else packed(r.top_logprobs),
     }
 
 
@@ -101,7 +104,7 @@ def _readable(value: Any) -> Any:
         return out
     if isinstance(value, list):
         if len(value) == 3 and isinstance(value[2], memoryview | bytes):
-            return packed(codec.unpack_array([value[0], value[1], bytes(value[2])]))
+            return packed(unpack_array([value[0], value[1], bytes(value[2])]))
         return [_readable(v) for v in value]
     return value
 
@@ -118,6 +121,14 @@ def batch(info: BatchInfo) -> dict[str, Any]:
     }
 
 
+def session(session_id: str, calls: list[SessionCall]) -> dict[str, Any]:
+    return {
+        "session_id": session_id,
+        "calls": [{"batch_id": c.batch_id, "at": c.at, "group_size": c.info.group_size,
+                   "ids": c.ids, "states": list(c.statuses)} for c in calls],
+    }  # fmt: skip
+
+
 def ack(report: AckReport) -> dict[str, Any]:
     return {"acked": report.acked, "live": report.live, "missing": report.missing}
 
@@ -127,7 +138,7 @@ def weight(w: WeightVersion) -> dict[str, Any]:
 
 
 def stats(s: Stats, latest: WeightVersion | None) -> dict[str, Any]:
-    now = time.time()
+    now = s.now  # Redis's clock, as the heartbeats are stamped
     return {
         "by_state": {k.value: v for k, v in s.by_state.items()},
         "tokens": s.tokens,

@@ -1,5 +1,6 @@
--- Acknowledge one ended rollout: delete its keys, its completion entry and its rq job.
--- (rq's key layout is relied on here: job:<id>, results:<id>, <registry>:<queue>.)
+-- Acknowledge one ended rollout: delete its keys, its completion entry and its rq jobs.
+-- (rq's key layout is relied on here: job:<id>, results:<id>, executions:<id>,
+-- <registry>:<queue>.)
 --
 -- KEYS[1]  the rollout's log     KEYS[2]  its snapshot     KEYS[3]  its batch's completions
 -- ARGV[1]  rq's key prefix for the job and its registries ("rq:")
@@ -18,17 +19,19 @@ end
 if snap[2] then
   redis.call('XDEL', KEYS[3], snap[2])
 end
-local job = snap[3]
-if job then
+-- Every job made for the rollout, space-separated: the submit's, then each one the reaper, the
+-- stranded-rollout net or an operator pushed (lua/give_back.lua, lua/record_job.lua). A
+-- requeue or a sweep moves a job without making a new one.
+for job in string.gmatch(snap[3] or '', '%S+') do
   local jkey = ARGV[1] .. 'job:' .. job
   local job_fields = redis.call('HMGET', jkey, 'origin', 'status')
   local origin = job_fields[1]
   -- A job still started is its worker's to end: the rollout ended a moment ago and the
   -- worker's rq bookkeeping has not run yet. That worker, finding the rollout gone, deletes
-  -- the job then (workers/rq_bridge.py); deleting it here would have its heartbeat and its
+  -- the job then (workers/job_endings.py); deleting it here would have its heartbeat and its
   -- success write it back.
   if job_fields[2] == 'started' then origin = nil else
-    redis.call('DEL', jkey, ARGV[1] .. 'results:' .. job)
+    redis.call('DEL', jkey, ARGV[1] .. 'results:' .. job, ARGV[1] .. 'executions:' .. job)
   end
   if origin then
     for _, registry in ipairs({'finished', 'failed', 'canceled'}) do

@@ -6,7 +6,7 @@
 -- KEYS[k+1]  its rollout's snapshot (a hash: seq, live, st, head, cid, job)
 -- KEYS[k+2]  the completion stream of the rollout's batch
 -- KEYS[k+3]  the rollout's batch record (a hash; its field "ttl" is the retention in seconds)
--- ARGV per event i, with a = 8i:
+-- ARGV per event i, with a = 9i:
 -- ARGV[a+1]  seq of the event (integer >= 1); must be the snapshot's seq + 1
 -- ARGV[a+2]  fence: the attempt that must be live for this write, or "" for no fence
 -- ARGV[a+3]  the encoded event record (opaque bytes), or "" for a header (below)
@@ -15,7 +15,20 @@
 -- ARGV[a+6]  the status after the event
 -- ARGV[a+7]  tokens the event adds (0 for all but token records)
 -- ARGV[a+8]  the rollout id (what the completion entry names)
+-- ARGV[a+9]  "" for the first event of a caller's chain; for a later one, the snapshot head
+--            the chain's previous event wrote (its ARGV[a+4]): see "Chains" below
 -- At most one event per rollout in a call: a rollout's next event goes in a later call.
+--
+-- Chains. A caller may send several events of one rollout in one transaction (a takeover's
+-- Aborted then Resumed; a checkpoint then Finished; Aborted then Failed), each computed from
+-- the state after the one before. Its first event is checked on its seq (the caller's view is
+-- exact when its seq is the log's). A later one is accepted only if the rollout's head is the
+-- one the chain's previous event wrote: had that event been refused (its seq taken by another
+-- writer's), the next seq may well be free, and an event computed from a state the log never
+-- had would land (issue 28: a takeover's Resumed after its refused Aborted, over a live
+-- attempt). Comparing heads, not the log's records, keeps the large records out of Lua.
+-- Attempt openers (Started, Resumed) are fenced on "0" besides: an attempt opens only while
+-- no attempt is live, whoever computed it.
 --
 -- An event's record reaches its log one of two ways:
 --   whole:  the record is in its ARGV and the script writes the log entry itself. Redis
@@ -58,11 +71,11 @@ local function count(field, n)
   counts[field] = (counts[field] or 0) + n
 end
 
-for i = 0, (#ARGV / 8) - 1 do
-  local k, a = 2 + 4 * i, 8 * i
+for i = 0, (#ARGV / 9) - 1 do
+  local k, a = 2 + 4 * i, 9 * i
   local log, snapkey = KEYS[k], KEYS[k + 1]
   local seq = tonumber(ARGV[a + 1])
-  local fence, record, status = ARGV[a + 2], ARGV[a + 3], ARGV[a + 6]
+  local fence, record, status, prev = ARGV[a + 2], ARGV[a + 3], ARGV[a + 6], ARGV[a + 9]
   local snap = redis.call('HMGET', snapkey, 'seq', 'live', 'st')
   local cur = tonumber(snap[1] or '0')
   local live = snap[2] or '0'
@@ -71,7 +84,7 @@ for i = 0, (#ARGV / 8) - 1 do
   local reply = nil
   if fence ~= '' and fence ~= live then
     reply = 'stale ' .. live
-  elseif cur ~= seq - 1 then
+  elseif cur ~= seq - 1 or (prev ~= '' and prev ~= redis.call('HGET', snapkey, 'head')) then
     reply = 'conflict ' .. cur
   end
   if reply and cur >= seq then

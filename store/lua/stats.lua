@@ -3,11 +3,14 @@
 -- KEYS[1]  the deployment's counters (hash)    KEYS[2]  the workers' heartbeats (hash)
 -- ARGV[1]  rq's key prefix ("rq:")
 --
--- Returns {counters (flat list), workers (flat list), queues (flat list: name, depth)}
+-- Returns {counters (flat list), workers (flat list), queues (flat list: name, depth),
+--          Redis's clock (unix ms): what the workers' heartbeats are stamped and judged by}
 local queues = {}
 for _, key in ipairs(redis.call('SMEMBERS', ARGV[1] .. 'queues')) do
   local name = string.sub(key, string.len(ARGV[1] .. 'queue:') + 1)
   table.insert(queues, name)
   table.insert(queues, redis.call('LLEN', key))
 end
-return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), queues}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), queues, now}

@@ -8,6 +8,10 @@
 -- then, per rollout i: ARGV[b+5i+1] its Submitted record, ARGV[b+5i+2] its snapshot head,
 --   ARGV[b+5i+3] its job id, ARGV[b+5i+4] its job's data, ARGV[b+5i+5] its job's description
 --   (b = 2 + 2m)
+-- Optionally (a session's call hinted to the worker that served its previous one, see
+-- store/affinity.py): KEYS[4+3n] that worker's hint list, ARGV[b+5n+1] the most hints it keeps,
+-- ARGV[b+5n+2] its TTL (ms): the new jobs' ids are pushed onto it, in this same atomic step, so
+-- no worker sees a hint before its job is on the queue.
 --
 -- Returns one status per rollout: "ok" (recorded and enqueued), "dup" (this exact record is
 -- there already: a retry; its job was enqueued with it, none is added) or "conflict" (another
@@ -47,5 +51,12 @@ if #pushed > 0 then
   redis.call('HINCRBY', KEYS[1], 'pending', #pushed)
   redis.call('RPUSH', KEYS[2], unpack(pushed))
   redis.call('SADD', KEYS[3], KEYS[2])
+  local hints = KEYS[4 + 3 * n]
+  if hints then
+    local h = base + 5 * n
+    redis.call('RPUSH', hints, unpack(pushed))
+    redis.call('LTRIM', hints, -tonumber(ARGV[h + 1]), -1)
+    redis.call('PEXPIRE', hints, ARGV[h + 2])
+  end
 end
 return statuses

@@ -17,9 +17,12 @@ from store.event_store import EventStore
 MSGPACK = "application/msgpack"
 
 
-async def finish(store: EventStore, rid: str, tokens: int, *, version: int = 0) -> RolloutState:
+async def finish(
+    store: EventStore, rid: str, tokens: int, *, version: int = 0, top: int = 0
+) -> RolloutState:
     """Run ``rid`` as a worker would, straight through the store: start, ``tokens`` tokens in
-    one checkpoint, finish (length)."""
+    one checkpoint, finish (length). ``top``: the request's ``logprobs``, whose top-k arrays
+    the tokens then carry (token id + j, logprob -j)."""
     s = await store.head(rid)
     for e in commands.begin(s, worker_id="test-worker", weight_version=version,
                             weight_mode="abort", model="test"):  # fmt: skip
@@ -28,6 +31,12 @@ async def finish(store: EventStore, rid: str, tokens: int, *, version: int = 0) 
         token_ids=np.arange(tokens, dtype=np.int32) + 100,
         logprobs=np.linspace(-1, 0, tokens, dtype=np.float32),
         weight_versions=np.full(tokens, version, dtype=np.int64),
+        top_token_ids=(
+            np.arange(tokens, dtype=np.int32)[:, None] + 100 + np.arange(top, dtype=np.int32)
+        )
+        if top
+        else None,
+        top_logprobs=-np.tile(np.arange(top, dtype=np.float32), (tokens, 1)) if top else None,
     )
     for e in commands.finish(s, FinishReason.LENGTH, tokens=new):
         s = await store.append(s, e)

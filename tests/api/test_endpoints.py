@@ -8,12 +8,14 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from store.api.app import make_app
 from store.client import RolloutClient
 from store.redis_server import RedisServer, free_port
 from tests.api.helpers import MSGPACK, array, finish, msgpack_seq, ndjson
+from tests.store.trainer import ack_before_the_load
 
 SUBMIT = {
     "prompts": [{"prompt_token_ids": [5, 6, 7], "metadata": {"task": "a"}},
@@ -74,6 +76,36 @@ async def test_submit_read_stream_ack_in_json(api: TestClient, trainer: RolloutC
     assert (await api.get("/v1/rollouts/b1.1.0")).status == 404
 
 
+async def test_top_logprobs_are_returned_with_the_result_only_when_asked(
+    api: TestClient, trainer: RolloutClient
+) -> None:
+    body = {**SUBMIT, "n": 1, "sampling": {"max_tokens": 16, "temperature": 0, "logprobs": 3}}
+    r = await api.post("/v1/batches", json=body)
+    assert r.status == 200, await r.text()
+    asked, _ = (await r.json())["ids"]
+    await finish(trainer.store, asked, 4, top=3)
+    one = await (await api.get(f"/v1/rollouts/{asked}")).json()
+    assert one["sampling"]["logprobs"] == 3
+    ids, lps = array(one["top_token_ids"]), array(one["top_logprobs"])
+    assert ids.dtype == np.int32 and lps.dtype == np.float32 and ids.shape == lps.shape == (4, 3)
+    assert ids.tolist() == [[100 + t + j for j in range(3)] for t in range(4)]
+    assert lps.tolist() == [[0.0, -1.0, -2.0]] * 4
+    # The same in the result stream, in msgpack, and what the Python client reads.
+    stream = await api.get(
+        "/v1/batches/b1/results", params={"timeout": "0.3"}, headers={"Accept": MSGPACK}
+    )
+    [line, *_] = msgpack_seq(await stream.read())
+    [mine] = [x async for x in _first(trainer.results("b1"), 1)]
+    assert mine.top_token_ids is not None and mine.top_logprobs is not None
+    assert array(line["top_token_ids"]).tobytes() == mine.top_token_ids.tobytes()
+    assert array(line["top_logprobs"]).tobytes() == mine.top_logprobs.tobytes()
+    # A rollout that asked for none has none.
+    await api.post("/v1/batches", json={**SUBMIT, "batch_id": "b2"})
+    await finish(trainer.store, "b2.0.0", 4)
+    plain = await (await api.get("/v1/rollouts/b2.0.0")).json()
+    assert plain["top_token_ids"] is None and plain["top_logprobs"] is None
+
+
 async def test_msgpack_bodies_and_packed_bytes(api: TestClient, trainer: RolloutClient) -> None:
     headers = {"Content-Type": MSGPACK, "Accept": MSGPACK}
     r = await api.post("/v1/batches", data=msgpack.packb(SUBMIT), headers=headers)
@@ -106,10 +138,25 @@ async def test_take_streams_whole_groups_and_cancels_the_rest(
     await api.post("/v1/batches", json=SUBMIT)
     for rid in ("b1.1.1", "b1.1.0"):
         await finish(trainer.store, rid, 2)
-    r = await api.get("/v1/batches/b1/results", params={"take": "1"})
+    r = await api.post("/v1/batches/b1/take", json={"groups": 1})
+    assert r.status == 200 and r.content_type == "application/x-ndjson"
     lines = ndjson(await r.text())
     assert sorted(x["rollout_id"] for x in lines) == ["b1.1.0", "b1.1.1"]
     assert await trainer.statuses(["b1.0.0", "b1.0.1"]) == ["cancelled", "cancelled"]
+
+
+async def test_a_get_of_results_has_no_side_effect(api: TestClient, trainer: RolloutClient) -> None:
+    """GETs are repeated at will (retries, prefetchers, a browser): take=k, which cancels the
+    rest of the batch, is refused there with the form that does it, and nothing changes."""
+    await api.post("/v1/batches", json=SUBMIT)
+    for rid in ("b1.1.1", "b1.1.0"):
+        await finish(trainer.store, rid, 2)
+    r = await api.get("/v1/batches/b1/results", params={"take": "1", "timeout": "0.2"})
+    assert r.status == 422
+    error = (await r.json())["error"]
+    assert error["field"] == "take"
+    assert 'POST /v1/batches/b1/take with {"groups": k}' in error["message"]
+    assert await trainer.statuses(["b1.0.0", "b1.0.1"]) == ["pending", "pending"]
 
 
 async def test_stream_delivers_a_completion_while_open(
@@ -123,6 +170,20 @@ async def test_stream_delivers_a_completion_while_open(
     await finish(trainer.store, "b1.0.0", 2)
     rest = ndjson((await asyncio.wait_for(r.content.read(), 10)).decode())
     assert [x["rollout_id"] for x in rest] == ["b1.0.0"]  # ends when the batch is delivered
+
+
+async def test_rollouts_acknowledged_while_the_stream_reads_them_are_skipped(
+    api: TestClient, trainer: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28: an ack between a block's XREAD and its load ended the stream with a
+    not_found error line instead of skipping the acknowledged rollouts."""
+    await api.post("/v1/batches", json=SUBMIT)
+    for rid in ("b1.0.0", "b1.0.1", "b1.1.0", "b1.1.1"):
+        await finish(trainer.store, rid, 2)
+    ack_before_the_load(monkeypatch, trainer, ids=["b1.0.1", "b1.1.0"])
+    r = await api.get("/v1/batches/b1/results", params={"timeout": "10"})
+    assert r.status == 200
+    assert [x.get("rollout_id") for x in ndjson(await r.text())] == ["b1.0.0", "b1.1.1"]
 
 
 async def test_cancel_by_ids_batch_and_group(api: TestClient, trainer: RolloutClient) -> None:
@@ -148,6 +209,27 @@ async def test_weights_and_stats(api: TestClient, trainer: RolloutClient) -> Non
     assert stats["by_state"]["done"] == 1 and stats["by_state"]["pending"] == 3
     assert stats["tokens"] == 7 and stats["latest_weight_version"] == 3
     assert stats["queues"] == {"rollouts": 4}
+
+
+async def test_the_largest_version_the_schema_allows_then_an_older_one_is_a_409(
+    api: TestClient, trainer: RolloutClient
+) -> None:
+    """Issue 28: version 2**63 - 1 made every later publish a 500 (the script compared and
+    answered versions as doubles)."""
+    top = 2**63 - 1
+    r = await api.post("/v1/weights", json={"version": top, "path": "/top"})
+    assert r.status == 200, await r.text()
+    assert (await r.json())["version"] == top
+    for older in (top, 2**53 + 1, 5):
+        r = await api.post("/v1/weights", json={"version": older, "path": "/old"})
+        assert r.status == 409, await r.text()
+        error = (await r.json())["error"]
+        assert error["type"] == "stale_weight_version" and str(top) in error["message"]
+    r = await api.post("/v1/weights", json={"version": top + 1, "path": "/beyond"})
+    assert r.status == 422 and (await r.json())["error"]["field"] == "version"
+    stats = await (await api.get("/v1/stats")).json()
+    assert stats["latest_weight_version"] == top
+    assert [w.version for w in await trainer.weights.history()] == [top]
 
 
 async def test_healthz(api: TestClient) -> None:

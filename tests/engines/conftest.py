@@ -22,8 +22,8 @@ import pytest
 import pytest_asyncio
 
 from tests.engine_pool import EnginePool
+from workers.demo.tiny_model import make_tiny_checkpoint
 from workers.engines.base import Engine
-from workers.tiny_model import make_tiny_checkpoint
 
 
 @dataclass(frozen=True)

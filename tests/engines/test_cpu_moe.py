@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from statemachine.request import SamplingParams
 from tests.engine_pool import EnginePool
 from tests.engines.stream import Generation, collect_request
+from workers.demo.tiny_model import NUM_EXPERTS, NUM_LAYERS, TOP_K
 from workers.engines.base import EngineRequest, expert_dtype
 from workers.engines.cpu.engine import CpuEngine
-from workers.tiny_model import NUM_EXPERTS, NUM_LAYERS, TOP_K
 
 # The MoE model against the HF router: a real model, the full suite's tier.
 pytestmark = pytest.mark.slow

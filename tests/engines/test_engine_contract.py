@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from statemachine.request import SamplingParams
 from statemachine.status import FinishReason
 from tests.engines.stream import Generation, collect_request
+from workers.demo.tiny_model import make_tiny_model
 from workers.engines.base import Engine, EngineRequest
 from workers.engines.errors import EngineError, RequestAborted, RequestRejected
-from workers.tiny_model import make_tiny_model
+from workers.engines.synthetic import SyntheticEngine
 
 # The session loop: pooled vLLM engines are bound to it (tests/engines/vllm_support.py).
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -377,3 +378,72 @@ async def test_logprobs_match_a_direct_forward(
     expected = expected.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0].numpy()
     # Raw-model logprobs (vLLM's default), not the temperature-scaled distribution.
     np.testing.assert_allclose(out.logprobs, expected, rtol=0, atol=engine_case.hf_logprob_tol)
+
+
+def assert_top_logprobs(out: Generation, k: int, vocab: int, tol: float) -> None:
+    """vLLM's ``logprobs=k``: every chunk carries [n, k] top arrays of valid, distinct ids whose
+    logprobs are finite, <= 0 and sorted descending; under greedy the sampled token's logprob
+    is the top-1 one."""
+    assert out.chunks
+    for chunk in out.chunks:
+        n = len(chunk.token_ids)
+        ids, lps = chunk.top_token_ids, chunk.top_logprobs
+        assert ids is not None and lps is not None
+        assert ids.dtype == np.int32 and lps.dtype == np.float32
+        assert ids.shape == lps.shape == (n, k)
+        assert ids.min() >= 0 and ids.max() < vocab
+        assert all(len(set(row)) == k for row in ids.tolist())
+        assert np.all(np.isfinite(lps)) and np.all(lps <= 0.0)
+        assert np.all(np.diff(lps, axis=1) <= 0.0)
+    top1 = np.concatenate([c.top_logprobs[:, 0] for c in out.chunks])  # type: ignore[index]
+    np.testing.assert_allclose(out.logprobs, top1, rtol=0, atol=tol)
+
+
+async def test_top_logprobs_per_token_with_logprobs_k(
+    engine: Engine, prompts, engine_case: Any
+) -> None:
+    vocab = engine.limits.vocab_size
+    assert vocab is not None
+    plain = await greedy(engine, prompts[0])
+    assert all(c.top_token_ids is None and c.top_logprobs is None for c in plain.chunks)
+    for k in (1, 5):
+        out = await greedy(engine, prompts[0], request_id=f"top{k}", logprobs=k)
+        # Asking for top-k changes nothing of what is sampled.
+        assert out.token_ids == plain.token_ids
+        assert_same_logprobs(out.logprobs, plain.logprobs, engine_case)
+        assert_top_logprobs(out, k, vocab, engine_case.logprob_tol)
+        assert_well_formed(out, routes=engine_case.routes)
+
+
+async def test_top_logprobs_are_the_raw_distributions_top_k(
+    engine: Engine, model_dir: Path, prompts, engine_case: Any
+) -> None:
+    """The top-k come from the raw logits (vLLM's default ``raw_logprobs``), as the sampled
+    logprob does: not from the temperature-scaled or top-p-masked distribution."""
+    k = 4
+    out = await collect(
+        engine, prompts[1], max_tokens=N, temperature=0.8, top_p=0.5, seed=7,
+        ignore_eos=True, logprobs=k,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[1] + out.token_ids])).logits[0].float()
+    start = len(prompts[1]) - 1
+    expected = torch.topk(torch.log_softmax(logits[start : start + N], dim=-1), k).values
+    got = np.concatenate([c.top_logprobs for c in out.chunks])  # type: ignore[misc]
+    np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=engine_case.hf_logprob_tol)
+
+
+async def test_synthetic_engine_top_logprobs_meet_the_contract() -> None:
+    """The synthetic engine (not a model, so not in ENGINE_CASES) under the same checks."""
+    engine = SyntheticEngine(tokens_per_chunk=5, vocab=64)
+    request = EngineRequest(
+        request_id="s", prompt_token_ids=(60, 3),
+        sampling=SamplingParams(max_tokens=12, temperature=0.0, logprobs=3),
+    )  # fmt: skip
+    out = await collect_request(engine, request)
+    assert_top_logprobs(out, 3, 64, 0.0)
+    np.testing.assert_array_equal(
+        np.concatenate([c.top_token_ids for c in out.chunks])[:, 0],  # type: ignore[misc]
+        out.token_ids,
+    )

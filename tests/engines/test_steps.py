@@ -35,6 +35,7 @@ class Stepped:
     routes: list[np.ndarray] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     end: End | None = None
+    tops: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # [n, K] each
 
 
 def read(step: Step, out: dict[str, Stepped]) -> None:
@@ -50,6 +51,10 @@ def read(step: Step, out: dict[str, Stepped]) -> None:
         got.versions += [step.weight_version] * n
         if step.routed_experts is not None:
             got.routes.append(step.routed_experts[lo : lo + n])
+        if step.top_token_ids is not None and step.top_logprobs is not None:
+            assert step.top_token_ids.shape == step.top_logprobs.shape
+            assert step.top_token_ids.shape[0] == len(step.token_ids)
+            got.tops.append((step.top_token_ids[lo : lo + n], step.top_logprobs[lo : lo + n]))
         lo += n
     for rid, end in step.ends.items():
         out[rid].end = end
@@ -73,11 +78,13 @@ async def run_steps(
     return out
 
 
-def request(rid: str, prompt: tuple[int, ...], n: int, resumed: int = 0) -> EngineRequest:
+def request(
+    rid: str, prompt: tuple[int, ...], n: int, resumed: int = 0, logprobs: int = 0
+) -> EngineRequest:
     return EngineRequest(
         request_id=rid,
         prompt_token_ids=prompt,
-        sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs),
         resumed_tokens=resumed,
     )
 
@@ -129,6 +136,34 @@ async def test_steps_give_each_request_what_generate_gives(step_engine: Any) -> 
             np.testing.assert_array_equal(np.concatenate(got.routes), alone.routed_experts)
         assert got.end is not None and got.end.error is None
         assert got.end.finish_reason is FinishReason.LENGTH is alone.finish_reason
+
+
+async def test_steps_carry_each_requests_top_logprobs_as_generate_does(step_engine: Any) -> None:
+    """Requests asking different k (0 among them) in the same steps: each one's first k
+    columns are exactly the top-k its ``generate`` stream gives."""
+    ks, lengths = (0, 2, 5), (9, 17, 4)
+    reqs = [
+        request(f"t{i}", p, n, logprobs=k)
+        for i, (p, n, k) in enumerate(zip(PROMPTS, lengths, ks, strict=True))
+    ]
+    stepped = await run_steps(step_engine, reqs)
+    for i, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+        alone = await collect_request(
+            step_engine, request(f"u{i}", PROMPTS[i], lengths[i], logprobs=k)
+        )
+        got = stepped[r.request_id]
+        assert got.token_ids == alone.token_ids
+        if k == 0:
+            assert all(c.top_token_ids is None for c in alone.chunks)
+            continue
+        want_ids = np.concatenate([c.top_token_ids for c in alone.chunks])  # type: ignore[misc]
+        want_lps = np.concatenate([c.top_logprobs for c in alone.chunks])  # type: ignore[misc]
+        assert want_ids.shape == (lengths[i], k)
+        # A step is as wide as the widest k of the requests in it: each takes its first k.
+        got_ids = np.concatenate([ids[:, :k] for ids, _ in got.tops])
+        got_lps = np.concatenate([lps[:, :k] for _, lps in got.tops])
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_allclose(got_lps, want_lps, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("k", [1, 7, 16])

@@ -17,7 +17,9 @@ from workers.engines.vllm.http import VllmHttpEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_server, pytest.mark.asyncio(loop_scope="session")]
 
-N = 160
+# Long enough that the victim cannot finish between its first chunk and being frozen, even
+# on 2 loaded cores (160 tokens could: the whole answer sat in the socket before the kill).
+N = 400
 
 
 def greedy(rid: str, prompt: tuple[int, ...], n: int = N) -> EngineRequest:
@@ -52,9 +54,8 @@ async def test_server_killed_mid_request_resumes_on_another(
         try:
             stream = engine.generate(greedy("r", prompt))
             chunks = [await anext(stream)]  # both idle: the first listed (victim) serves it
+            victim.freeze()  # mid-request, whatever the load: it generates nothing more
             assert engine.pool.servers[0].in_flight == 1
-            while sum(len(c.token_ids) for c in chunks) < 10:
-                chunks.append(await anext(stream))
             await asyncio.to_thread(victim.kill)
             chunks += [c async for c in stream]
             got = [int(t) for c in chunks for t in c.token_ids]

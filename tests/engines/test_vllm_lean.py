@@ -93,7 +93,10 @@ async def test_lean_outputs_carry_what_vllms_own_carry(
         np.testing.assert_allclose(
             lean_got["logprobs"][a], own_got["logprobs"][b], atol=1e-6, rtol=0
         )
-        assert lean_sizes[a] == own_sizes[b]  # the same pieces: vLLM's batching kept
+        # vLLM's batching kept: every token comes, in pieces of several at an interval above 1.
+        # Not compared piece by piece with the other run: under load vLLM's output collector
+        # merges outputs its consumer has not read yet (CI saw [1, 1, 2, ...] vs [1, 1, 1, ...]).
+        assert sum(lean_sizes[a]) == sum(own_sizes[b]) == n
         if interval > 1:
             assert max(lean_sizes[a]) > 1
         alone = await collect_request(engine, greedy(f"gen{interval}-{i}", PROMPTS[i], n))

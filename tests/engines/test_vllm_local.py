@@ -13,9 +13,9 @@ import pytest
 
 from statemachine.request import SamplingParams
 from tests.engines.stream import collect_request, merge_chunks
+from workers.demo.tiny_model import make_tiny_checkpoint
 from workers.engines.base import EngineRequest
 from workers.engines.errors import RequestAborted
-from workers.tiny_model import make_tiny_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 

@@ -436,3 +436,70 @@ def test_fuzzed_choices_raise_only_wire_format_errors(event_: object) -> None:
     assert not isinstance(piece.stop_reason, bool)
     if piece.routed_experts is not None:
         assert_acceptable_routes(piece.routed_experts)
+
+
+def _position(token: int, logprob: float, tops: list[tuple[int, float]]) -> dict[str, object]:
+    top = [{"token_id": t, "logprob": v, "rank": None} for t, v in tops]
+    return {"token_id": token, "logprob": logprob, "top_logprobs": top}
+
+
+def test_top_k_is_read_from_the_servers_lists_whether_or_not_the_sampled_token_ranks_within_k() -> (
+    None
+):
+    # As vLLM 0.32 sends them when asked for k + 1 = 3: the sampled token first, then the top
+    # ranks without it, cut to 3 entries.
+    content = [
+        _position(7, -0.5, [(7, -0.5), (3, -1.0), (9, -2.0)]),  # sampled is the top-1
+        _position(4, -1.5, [(4, -1.5), (2, -0.25), (8, -1.75)]),  # sampled is the top-2
+        _position(6, -5.0, [(6, -5.0), (1, -0.125), (5, -0.375)]),  # sampled ranks below 2
+    ]
+    out = decode_choice(event(token_ids=[7, 4, 6], logprobs={"content": content}), top=2)
+    assert out is not None and out.top_token_ids is not None and out.top_logprobs is not None
+    assert out.top_token_ids.dtype == np.int32 and out.top_logprobs.dtype == np.float32
+    assert out.top_token_ids.tolist() == [[7, 3], [2, 4], [1, 5]]
+    assert out.top_logprobs.tolist() == [[-0.5, -1.0], [-0.25, -1.5], [-0.125, -0.375]]
+    assert out.logprobs.tolist() == [-0.5, -1.5, -5.0]
+    # Not asked: none read, whatever the server sent.
+    plain = decode_choice(event(token_ids=[7, 4, 6], logprobs={"content": content}))
+    assert plain is not None and plain.top_token_ids is None and plain.top_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("tops", "message"),
+    [
+        (None, "has no top-2"),
+        ([{"token_id": 7, "logprob": -0.5}], "has no top-2"),
+        ([{"token_id": 7, "logprob": -0.5}, {"token_id": -1, "logprob": -1.0}], "malformed top"),
+        ([{"token_id": 7, "logprob": -0.5}, {"token_id": 1, "logprob": True}], "malformed top"),
+        ([{"token_id": 7, "logprob": -0.5}, {"token_id": 1, "logprob": 10**400}], "out of range"),
+    ],
+)
+def test_malformed_top_logprobs_are_refused(tops: object, message: str) -> None:
+    content = [{"token_id": 7, "logprob": -0.5, "top_logprobs": tops}]
+    with pytest.raises(WireFormatError, match=message):
+        decode_choice(event(token_ids=[7], logprobs={"content": content}), top=2)
+
+
+def test_top_k_from_vllms_flat_logprobs_whole_and_merged() -> None:
+    """``flat_top``: a position as vLLM's sampler fills it (sampled entry, then the top-k), and
+    as its collector leaves it after merging outputs (one entry per token: the sampled one
+    first even when it is also a top one), read by rank."""
+    from types import SimpleNamespace
+
+    from workers.engines.vllm.translate import flat_top
+
+    flat = SimpleNamespace(
+        # position 0 unmerged: sampled 7 (rank 2), then ranks 1, 2; position 1 merged: sampled
+        # 4 is the top-1 and stands once; position 2 merged, sampled 6 ranks 9: k + 1 entries.
+        start_indices=[0, 3, 5],
+        end_indices=[3, 5, 8],
+        token_ids=[7, 3, 7, 4, 2, 6, 1, 5],
+        logprobs=[-1.0, -0.5, -1.0, -0.25, -2.0, -9.0, -0.125, -0.375],
+        ranks=[2, 1, 2, 1, 2, 9, 1, 2],
+    )
+    ids, lps = flat_top(flat, 3, 2)
+    assert ids.tolist() == [[3, 7], [4, 2], [1, 5]]
+    assert lps.tolist() == [[-0.5, -1.0], [-0.25, -2.0], [-0.125, -0.375]]
+    short = SimpleNamespace(**{**vars(flat), "ranks": [2, 1, 2, 1, 3, 9, 1, 2]})
+    with pytest.raises(EngineError, match="without the top-2 of position 1"):
+        flat_top(short, 3, 2)

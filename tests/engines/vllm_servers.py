@@ -100,6 +100,12 @@ class VllmServer:
                 await asyncio.sleep(0.5)
         raise TimeoutError(f"vLLM server not healthy after {timeout} s; see {self.log}")
 
+    def freeze(self) -> None:
+        """SIGSTOP the server and its children: it generates nothing more, its sockets stay
+        open (so a test can kill it mid-request however slowly the test itself runs)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
     def kill(self) -> None:
         """SIGKILL the server and its children at once (a crash, for the failover tests)."""
         if self.proc is not None and self.proc.poll() is None:

@@ -29,6 +29,7 @@ from statemachine import (
     apply,
     codec,
 )
+from statemachine.arrays import pack_array, unpack_array
 from tests import factories as f
 
 ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=40)
@@ -46,6 +47,13 @@ def token_events(draw: st.DrawFn) -> TokensAppended:
             elements=st.integers(0, experts - 1),
         )
     )
+    width = draw(st.integers(0, 20))
+    top = None
+    if width:
+        top = (
+            draw(hnp.arrays(np.int32, (n, width), elements=st.integers(0, 2**31 - 1))),
+            draw(hnp.arrays(np.float32, (n, width), elements=st.floats(width=32))),
+        )
     return TokensAppended(
         rollout_id=draw(ids),
         seq=draw(st.integers(1, 2**40)),
@@ -57,6 +65,8 @@ def token_events(draw: st.DrawFn) -> TokensAppended:
         logprobs=draw(hnp.arrays(np.float32, n, elements=st.floats(width=32))),
         weight_versions=draw(hnp.arrays(np.int64, n, elements=st.integers(0, 2**62))),
         routed_experts=routes,
+        top_token_ids=None if top is None else top[0],
+        top_logprobs=None if top is None else top[1],
     )
 
 
@@ -117,8 +127,8 @@ def test_routes_use_smallest_dtype_and_raw_bytes(event: TokensAppended) -> None:
 def test_any_array_layout_packs_to_the_same_values(arr: np.ndarray) -> None:
     # pack_array has a fast path for the C-contiguous little-endian arrays events hold; every
     # other layout must still store the values, not its raw memory.
-    packed = msgpack.unpackb(msgpack.packb(codec.pack_array(arr), use_bin_type=True), raw=False)
-    out = codec.unpack_array(packed)
+    packed = msgpack.unpackb(msgpack.packb(pack_array(arr), use_bin_type=True), raw=False)
+    out = unpack_array(packed)
     assert out.dtype.byteorder in "<|=" and out.shape == arr.shape
     np.testing.assert_array_equal(out, arr)
 
@@ -189,6 +199,58 @@ def _forged_tokens(token_ids: list, n: int) -> bytes:
     return _forge(["tokens_appended", 1, "r", 3, 0.0, fields])
 
 
+def _v1_tokens_record(n: int) -> bytes:
+    """A tokens_appended record exactly as the code before top-k logprobs wrote it."""
+    fields = {
+        "attempt": 1,
+        "offset": 0,
+        "token_ids": ["<i4", [n], np.arange(n, dtype="<i4").tobytes()],
+        "logprobs": ["<f4", [n], np.full(n, -0.5, dtype="<f4").tobytes()],
+        "weight_versions": ["<i8", [n], b"\x00" * 8 * n],
+        "routed_experts": None,
+        "nonfinite_logprobs": 0,
+    }
+    return _forge(["tokens_appended", 1, "r", 3, 0.0, fields])
+
+
+def test_a_chunk_without_top_logprobs_is_stored_as_before_and_old_records_decode() -> None:
+    old = _v1_tokens_record(3)
+    event = codec.decode(old)
+    assert isinstance(event, TokensAppended)
+    assert event.top_token_ids is None and event.top_logprobs is None and event.top_k == 0
+    np.testing.assert_array_equal(event.token_ids, [0, 1, 2])
+    # Re-encoded: the very same bytes (v1, no new keys), so k=0 rollouts cost nothing more.
+    assert codec.encode(event) == old
+
+
+def test_top_logprobs_round_trip_as_v2_packed_arrays() -> None:
+    ids = np.array([[5, 7], [1, 2], [9, 3]], dtype=np.int32)
+    lps = np.array([[-0.1, -2.5], [-0.3, -1.5], [-0.01, -6.0]], dtype=np.float32)
+    old = codec.decode(_v1_tokens_record(3))
+    assert isinstance(old, TokensAppended)
+    event = TokensAppended(
+        rollout_id="r", seq=3, at=0.0, attempt=1, offset=0, token_ids=old.token_ids,
+        logprobs=old.logprobs, weight_versions=old.weight_versions,
+        top_token_ids=ids, top_logprobs=lps,
+    )  # fmt: skip
+    record = codec.encode(event)
+    body = msgpack.unpackb(record[5:], raw=False)
+    assert body[1] == 2
+    assert body[5]["top_token_ids"] == ["<i4", [3, 2], ids.tobytes()]
+    assert body[5]["top_logprobs"] == ["<f4", [3, 2], lps.tobytes()]
+    back = codec.decode(record)
+    assert back == event and back.top_k == 2
+    np.testing.assert_array_equal(back.top_token_ids, ids)
+    # A v2 record missing a top array, or one whose shape does not match, is refused.
+    for name, value in [
+        ("top_logprobs", None),
+        ("top_logprobs", ["<f4", [2, 2], lps[:2].tobytes()]),
+    ]:
+        broken = {**body[5], name: value}
+        with pytest.raises(CorruptRecord, match="bad tokens_appended fields"):
+            codec.decode(_forge(["tokens_appended", 2, "r", 3, 0.0, broken]))
+
+
 def test_old_schema_is_upcast_by_a_named_function(monkeypatch: pytest.MonkeyPatch) -> None:
     # Pretend "aborted" is at v2, whose v1 lacked ``detail``; v1 records must still load.
     name, (cls, _, to_f, from_f) = "aborted", codec.REGISTRY["aborted"]
@@ -231,7 +293,7 @@ def test_v1_records_load_with_the_queue_and_model_they_could_not_record() -> Non
     first = apply(None, f.submitted("r"))
     state = apply(first, f.started(first))
     v3 = msgpack.unpackb(codec.encode_snapshot(state)[5:])
-    assert v3[0] == codec.SNAPSHOT_SCHEMA == 3 and len(v3) == 15
+    assert v3[0] == 3 and len(v3) == 15  # v4 is only for a paused abort (below)
     import zlib
 
     body = msgpack.packb([1, *v3[1:13]], use_bin_type=True)
@@ -306,3 +368,28 @@ def test_membership_and_failure_round_trip() -> None:
 def test_impossible_membership_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises((InvalidEvent, ValueError)):
         Membership(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_paused_abort_is_its_own_schema_so_older_readers_refuse_it_as_newer() -> None:
+    # AbortReason.PAUSED is newer than aborted v2: written as v3 (and its snapshot head as v4),
+    # so code that predates it leaves the rollout to a newer worker (UnsupportedSchema)
+    # instead of failing it as corrupt. Every other abort is written exactly as before.
+    from statemachine import apply
+
+    first = apply(None, f.submitted("r"))
+    live = apply(first, f.started(first))
+    paused = f.aborted(live, AbortReason.PAUSED)
+    record = codec.encode(paused)
+    assert msgpack.unpackb(record[5:])[:2] == ["aborted", 3]
+    assert codec.decode(record) == paused
+    shutdown = codec.encode(f.aborted(live, AbortReason.SHUTDOWN))
+    assert msgpack.unpackb(shutdown[5:])[:2] == ["aborted", 2]
+    after = apply(live, paused)
+    head = codec.encode_snapshot(after)
+    assert msgpack.unpackb(head[5:])[0] == 4
+    back = codec.decode_snapshot(head, f.submitted("r"))
+    assert back.abort_reason is AbortReason.PAUSED and back.seq == after.seq
+    assert msgpack.unpackb(codec.encode_snapshot(live)[5:])[0] == 3
+    # What a v2 reader does with it: a version newer than its own is refused as newer.
+    with pytest.raises(UnsupportedSchema, match="newer"):
+        codec._upcast("aborted", 3, 2, {}, "r", 3)

@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statemachine import InvalidRequest, RolloutRequest, SamplingParams, Submitted, codec
+from statemachine import (
+    MAX_LOGPROBS,
+    InvalidRequest,
+    RolloutRequest,
+    SamplingParams,
+    Submitted,
+    codec,
+)
 from tests import factories as f
 
 BIG = 2**63  # beyond int64: no token id, seed or budget is ever this large
@@ -68,8 +75,14 @@ def test_bad_sampling_values_are_refused_by_name(field: str, value: Any) -> None
 
 def test_largest_int64_values_are_accepted() -> None:
     top = BIG - 1
-    sp = SamplingParams(max_tokens=top, seed=top, top_k=top, logprobs=top, stop_token_ids=[top])
+    sp = SamplingParams(max_tokens=top, seed=top, top_k=top, stop_token_ids=[top])
     assert sp.stop_token_ids == (top,)
+
+
+def test_logprobs_up_to_vllms_default_max_are_accepted_and_beyond_refused() -> None:
+    assert SamplingParams(max_tokens=1, logprobs=MAX_LOGPROBS).logprobs == 20
+    with pytest.raises(InvalidRequest, match="logprobs must be <= 20, got 21"):
+        SamplingParams(max_tokens=1, logprobs=MAX_LOGPROBS + 1)
 
 
 @pytest.mark.parametrize(

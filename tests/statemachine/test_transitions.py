@@ -28,6 +28,7 @@ from statemachine import (
     SequenceGap,
     Status,
     TokensAppended,
+    TopLogprobsMismatch,
     apply,
     fold,
 )
@@ -159,6 +160,53 @@ def test_derived_values_across_an_abort_and_resume() -> None:
     routes = s.routed_experts
     assert routes is not None and routes.shape == (5, 2, 2) and routes.dtype == np.uint8
     assert s.terminal and s.finish_reason is FinishReason.STOP
+
+
+def test_top_logprobs_are_recorded_per_token_across_attempts_and_only_as_asked() -> None:
+    s = apply(None, f.submitted(max_tokens=8, logprobs=3))
+    s = apply(s, f.started(s))
+    before = s
+    # A chunk of another width, or none at all, is refused and changes nothing.
+    for width in (0, 2, 4):
+        with pytest.raises(TopLogprobsMismatch, match=f"top-{width} logprobs; the request asked"):
+            apply(s, f.tokens(s, [1, 2], top=width))
+    assert s is before and s.num_tokens == 0
+    s = apply(s, f.tokens(s, [1, 2]))
+    s = apply(s, f.aborted(s))
+    s = apply(s, f.resumed(s))
+    s = apply(s, f.tokens(s, [3]))
+    top_ids, top_lps = s.top_token_ids, s.top_logprobs
+    assert top_ids is not None and top_lps is not None
+    assert top_ids.shape == top_lps.shape == (3, 3) and top_ids.dtype == np.int32
+    assert top_ids.tolist() == [[1, 2, 3], [2, 3, 4], [3, 4, 5]]
+    assert top_lps.dtype == np.float32
+    # Asked for but nothing generated yet: empty [0, k]; never asked: None.
+    fresh = apply(None, f.submitted(max_tokens=8, logprobs=2))
+    assert fresh.top_token_ids is not None and fresh.top_token_ids.shape == (0, 2)
+    plain = state_in(Status.GENERATING)
+    assert plain is not None and plain.top_token_ids is None and plain.top_logprobs is None
+    with pytest.raises(
+        TopLogprobsMismatch, match="top-1 logprobs; the request asked for logprobs=0"
+    ):
+        apply(plain, f.tokens(plain, [1], top=1))
+
+
+def test_tokens_refuse_malformed_top_arrays() -> None:
+    s = state_in(Status.GENERATING)
+    assert s is not None
+    base = dict(rollout_id=s.rollout_id, seq=s.seq + 1, attempt=1, offset=0,
+                token_ids=[1, 2], logprobs=[-1.0, -2.0], weight_versions=[0, 0])  # fmt: skip
+    bad = [
+        ({"top_token_ids": [[1], [2]]}, "come together"),
+        ({"top_token_ids": [[1], [2]], "top_logprobs": [[-1.0]]}, "must be \\[2, k\\]"),
+        ({"top_token_ids": [[1, 2]], "top_logprobs": [[-1.0, -2.0]]}, "must be \\[2, k\\]"),
+        ({"top_token_ids": [[-1], [2]], "top_logprobs": [[-1.0], [0.0]]}, ">= 0"),
+        ({"top_token_ids": [1, 2], "top_logprobs": [-1.0, 0.0]}, "2-D"),
+        ({"top_token_ids": np.zeros((2, 0)), "top_logprobs": np.zeros((2, 0))}, "k >= 1"),
+    ]
+    for extra, message in bad:
+        with pytest.raises(InvalidEvent, match=message):
+            TokensAppended(**base, **extra)
 
 
 def test_events_refuse_malformed_arrays() -> None:

@@ -1,12 +1,13 @@
 """Leases on fakeredis and a real redis-server: renewals never resurrect or shorten a lease,
-expired ones come oldest first, and a reaper's release or quarantine loses to a renewal."""
+expired ones come oldest first, and a reaper's release or quarantine loses to a renewal.
+Expiries are unix ms by Redis's clock (tests/store/test_one_clock.py: whatever the host's)."""
 
 from __future__ import annotations
 
 import pytest
 import redis.asyncio as aredis
 
-from store.leases import Leases, now_ms
+from store.leases import Leases
 
 TTL = 30.0
 
@@ -16,12 +17,36 @@ def leases(redis_client: aredis.Redis) -> Leases:
     return Leases(redis_client)
 
 
+async def now_ms(leases: Leases) -> int:
+    """Redis's clock, which stamps and judges every lease."""
+    return (await leases.read()).now_ms
+
+
 async def test_take_sets_an_expiry_ttl_from_now(leases: Leases) -> None:
-    before = now_ms()
+    before = await now_ms(leases)
     await leases.take("r1", TTL)
     expiry = await leases.expiry("r1")
-    assert expiry is not None and before + 30_000 <= expiry <= now_ms() + 30_000
+    assert expiry is not None and before + 30_000 <= expiry <= await now_ms(leases) + 30_000
     assert await leases.expiry("unknown") is None
+    assert await leases.left_ms("unknown") is None
+
+
+async def test_take_many_takes_each_and_lists_them_under_their_holder(
+    redis_client: aredis.Redis,
+) -> None:
+    mine = Leases(redis_client, holder="w1")
+    ids = [f"r{i}" for i in range(2500)]  # more than one ZADD chunk of the script (1000)
+    await mine.take_many(ids, TTL)
+    view = await mine.read(ids)
+    assert view.held == 2500 and view.expired == 0
+    assert {view.expiries[rid] for rid in ids} == {view.expiries["r0"]}  # one stamp for all
+    assert await mine.held_by("w1") == sorted(ids)
+    await mine.renew(ids, TTL + 1)
+    renewed = await mine.read(ids)
+    assert {renewed.expiries[rid] for rid in ids} == {renewed.expiries["r0"]}
+    assert renewed.expiries["r0"] > view.expiries["r0"]  # type: ignore[operator]
+    await mine.drop_many(ids)
+    assert (await mine.read()).held == 0 and await mine.held_by("w1") == []
 
 
 async def test_renew_extends_only_leases_still_held(leases: Leases) -> None:
@@ -31,7 +56,8 @@ async def test_renew_extends_only_leases_still_held(leases: Leases) -> None:
     renewed = await leases.expiry("held")
     assert first is not None and renewed is not None and renewed >= first + 28_000
     assert await leases.expiry("reaped") is None  # XX: a renewal never resurrects a lease
-    await leases.renew([], TTL)  # nothing held: no command at all
+    now = await leases.renew([], TTL)  # nothing held: only Redis's clock is read
+    assert abs(now - await now_ms(leases)) < 1_000
 
 
 async def test_renew_never_moves_a_lease_backwards(leases: Leases) -> None:
@@ -42,7 +68,7 @@ async def test_renew_never_moves_a_lease_backwards(leases: Leases) -> None:
 
 
 async def test_expired_lists_past_expiries_oldest_first_up_to_a_limit(leases: Leases) -> None:
-    now = now_ms()
+    now = await now_ms(leases)
     await leases.redis.zadd(
         leases.key, {"newer": now - 1_000, "oldest": now - 5_000, "middle": now - 3_000}
     )
@@ -63,7 +89,7 @@ async def test_drop_removes_a_lease(leases: Leases) -> None:
 
 
 async def test_release_if_unchanged_loses_to_a_renewal(leases: Leases) -> None:
-    seen = now_ms() - 1_000
+    seen = await now_ms(leases) - 1_000
     await leases.redis.zadd(leases.key, {"dead": seen, "woke": seen})
     await leases.renew(["woke"], TTL)  # its worker renewed after the reaper looked
     assert await leases.release_if_unchanged("dead", seen)
@@ -73,7 +99,7 @@ async def test_release_if_unchanged_loses_to_a_renewal(leases: Leases) -> None:
 
 
 async def test_quarantine_moves_the_lease_aside_with_its_reason(leases: Leases) -> None:
-    seen = now_ms() - 1_000
+    seen = await now_ms(leases) - 1_000
     await leases.redis.zadd(leases.key, {"bad": seen, "woke": seen})
     await leases.renew(["woke"], TTL)
     assert await leases.quarantine("bad", seen, "undecodable event at seq 3")

@@ -13,12 +13,12 @@ import redis.asyncio as aredis
 
 from statemachine import FailureClass, Status, commands
 from store import RolloutNotFound
-from store.client import RolloutClient, RolloutEnded, WaitTimeout
+from store.client import RolloutClient, RolloutEnded, UnknownPosition, WaitTimeout
 from store.redis_server import RedisServer
 from store.results import RolloutResult
 from tests import factories as f
 from tests.damage import damage_event
-from tests.store.trainer import checkpoint, dump, finish, start
+from tests.store.trainer import ack_before_the_load, checkpoint, dump, finish, start
 
 
 async def collect(agen: AsyncIterator[RolloutResult], n: int) -> list[RolloutResult]:
@@ -269,3 +269,84 @@ async def test_results_take_k_and_the_sync_client(
         assert sync.ack(batch_id="s").acked and sync.batches() == []
     finally:
         sync.close()
+
+
+async def test_rollouts_acknowledged_while_their_block_is_read_are_skipped(
+    client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28: an ack landing between a block's XREAD and its load raised RolloutNotFound
+    out of ``results``; the README promises acknowledged rollouts are skipped."""
+    batch = await client.submit([f.request()] * 4, batch_id="b")
+    for rid in batch:
+        await finish(client.store, rid)
+    asked = ack_before_the_load(monkeypatch, client, ids=[batch[1], batch[2]])
+    got = [r.rollout_id async for r in client.results("b", timeout=10)]
+    assert asked == [list(batch)]  # one block: the ack landed inside it
+    assert got == [batch[0], batch[3]]
+
+
+async def test_a_batch_acknowledged_while_its_results_are_read_ends_the_read(
+    client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = await client.submit([f.request()] * 2, n=2, batch_id="b")
+    for rid in batch:
+        await finish(client.store, rid)
+    ack_before_the_load(monkeypatch, client, batch_id="b")
+    assert [r async for r in client.results("b", timeout=10)] == []
+    assert await client.batches() == []
+
+
+async def test_take_k_while_the_trainer_acknowledges_what_it_took(
+    client: RolloutClient,
+) -> None:
+    """The client's own loop (``groups`` then ``ack`` of each group) under ``take=k``: the
+    cancel of the rest met the groups acknowledged meanwhile and raised RolloutNotFound."""
+    batch = await client.submit([f.request()] * 3, n=2, batch_id="b")
+    groups = batch.groups()
+    for rid in (*groups[2], *groups[0]):
+        await finish(client.store, rid)
+    took = []
+    async for group in client.groups("b", take=2, timeout=10):
+        took.append(group.group_index)
+        report = await client.ack(group.rollout_ids)
+        assert report.acked == group.rollout_ids
+    assert took == [2, 0]
+    assert await client.statuses(groups[1]) == ["cancelled", "cancelled"]
+    assert not await client.store.exists(groups[0][0])
+
+
+async def test_a_position_not_of_the_batch_is_refused_by_name(
+    client: RolloutClient, real_redis: aredis.Redis
+) -> None:
+    """Issue 28: ``after`` naming no entry of the batch's stream returned nothing and ended
+    normally (every result at or before it counted as delivered, none after it came)."""
+    batch = await client.submit([f.request()] * 3, batch_id="b")
+    other = await client.submit([f.request()], batch_id="other")
+    with pytest.raises(UnknownPosition, match="after: '5-0' is not a position of batch 'b'"):
+        await collect(client.results("b", after="5-0", timeout=2), 1)  # no stream yet
+    for rid in (*batch, *other):
+        await finish(client.store, rid)
+    mine = [r.position async for r in client.results("b")]
+    [theirs] = [r.position async for r in client.results("other")]  # after all of b's
+    ms, seq = map(int, mine[0].split("-"))
+    before = await dump(real_redis)
+    for bad in (theirs, "1-0", f"{ms}-{seq + 7}", f"{ms + 10**9}-0", "x", "1", "-", "$"):
+        with pytest.raises(UnknownPosition, match=r"after: .* is not a position of batch 'b'"):
+            await collect(client.results("b", after=bad, timeout=5), 1)
+    assert await dump(real_redis) == before
+    # Still accepted: a result's position, and the start.
+    assert [r.rollout_id async for r in client.results("b", after=mine[0])] == list(batch[1:])
+    assert len([r async for r in client.results("b", after="0-0")]) == 3
+
+
+async def test_a_position_acknowledged_since_still_resumes(client: RolloutClient) -> None:
+    """A trainer that acknowledged what it handled, then restarted, resumes after its last
+    position, whose entry the ack deleted: that is a position of the batch, not refused."""
+    batch = await client.submit([f.request()] * 4, batch_id="b")
+    for rid in batch:
+        await finish(client.store, rid)
+    first = await collect(client.results("b"), 2)
+    await client.ack([r.rollout_id for r in first])
+    rest = [r.rollout_id async for r in client.results("b", after=first[-1].position)]
+    assert rest == list(batch[2:])
+    assert [r.rollout_id async for r in client.results("b", after=first[0].position)] == rest

@@ -5,6 +5,7 @@ enqueue commands, which is what these tests are about."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -20,11 +21,12 @@ from statemachine import (
     SamplingParams,
     Status,
 )
-from store import InvalidRolloutId, RolloutExists, batches
+from store import InvalidRolloutId, RolloutExists, batches, defaults
 from store.client import BatchConflict, RolloutClient
 from store.redis_server import RedisServer
 from store.submission import ChatRequest
 from tests import factories as f
+from tests.store.held import MAX_CALL_S, RedisCpu
 from tests.store.trainer import dump
 
 
@@ -170,11 +172,29 @@ async def test_ten_thousand_rollouts_take_a_bounded_number_of_round_trips(
     batch = await client.submit([f.request()] * 2500, n=4)
     assert len(batch) == 10_000
     info = await real_redis.info("commandstats")
-    # One script per 1,000 rollouts and one to record the batch; a new batch whose ids it
+    # One script per chunk of rollouts and one to record the batch; a new batch whose ids it
     # generates needs no lookups (commandstats also counts what scripts run: one HGET).
-    assert info["cmdstat_evalsha"]["calls"] == 11
+    assert info["cmdstat_evalsha"]["calls"] == 10_000 // defaults.SUBMIT_CHUNK + 1
     assert info["cmdstat_hget"]["calls"] <= 2
     assert len(queued(client)) == 10_000
+
+
+async def test_long_prompts_go_in_chunks_no_script_holds_redis_50_ms(
+    redis_server: RedisServer, client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28 (every bulk operation in chunks): a script of 1,000 records of an
+    8,192-token prompt (25 KB each) cost Redis ~0.24 s; chunks are bounded by bytes too."""
+    prompt = f.request(prompt=tuple(range(1000, 1000 + 8192)))
+    cpu = RedisCpu(redis_server.url, monkeypatch)
+    try:
+        batch = await client.submit([prompt] * 250, n=4, batch_id="long")
+    finally:
+        cpu.close()
+    chunks = [cost for what, cost in cpu.calls if what == "submit_chunk"]
+    assert max(chunks) < MAX_CALL_S, cpu.worst(3)
+    assert len(chunks) > 1_000 * 25_000 // defaults.SUBMIT_CHUNK_BYTES  # chunked by bytes
+    assert len(queued(client)) == len(batch) == 1_000
+    assert (await client.result(batch[-1])).prompt_token_ids == prompt.prompt_token_ids
 
 
 async def test_a_failure_between_chunks_strands_nothing_and_a_retry_completes(
@@ -193,13 +213,45 @@ async def test_a_failure_between_chunks_strands_nothing_and_a_retry_completes(
     monkeypatch.setattr(batches, "_chunk_call", flaky)
     prompts = [f.request()] * 5
     with pytest.raises(ConnectionError):
-        await client.submit(prompts, n=600, batch_id="big")  # 3,000 rollouts: 3 chunks
+        await client.submit(prompts, n=600, batch_id="big")  # 3,000 rollouts: 15 chunks
     recorded = [rid for rid in (await client.batch("big")).ids if await client.store.exists(rid)]
     # Every recorded rollout has its job, and nothing else has one.
-    assert len(recorded) == 1000 and sorted(queued(client)) == sorted(recorded)
+    assert len(recorded) == defaults.SUBMIT_CHUNK and sorted(queued(client)) == sorted(recorded)
     monkeypatch.setattr(batches, "_chunk_call", real)
     batch = await client.submit(prompts, n=600, batch_id="big")
     assert sorted(queued(client)) == sorted(batch) and len(batch) == 3000
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["batch-ids", "named-ids"])
+async def test_two_clients_submitting_the_same_batch_at_once_get_the_same_ids(
+    redis_server: RedisServer, real_redis: aredis.Redis, named: bool
+) -> None:
+    """Issue 28: both got RolloutExists (each record carries its own ``at``, so the chunk
+    script answered conflict, not duplicate). Two clients, two connections, their records
+    written by two threads at once on a real redis-server; three chunks each, so the two
+    interleave chunk by chunk. One records each rollout, the other returns the same ids;
+    every rollout has exactly one job."""
+    prompts = [f.request()] * 6
+    a, b = RolloutClient(redis_server.url), RolloutClient(redis_server.url)
+    try:
+        for round_ in range(3):
+            batch_id = f"same-{round_}"
+            ids = [f"r{round_}.{i}" for i in range(2400)] if named else None
+            got = await asyncio.gather(
+                *(c.submit(prompts, n=400, batch_id=batch_id, ids=ids) for c in (a, b)),
+                return_exceptions=True,
+            )
+            assert not [g for g in got if isinstance(g, BaseException)], got
+            first, second = got
+            assert list(first) == list(second) and len(first) == 2400  # type: ignore[arg-type]
+            assert first.batch_id == second.batch_id == batch_id  # type: ignore[union-attr]
+        expected = sorted([rid for r in range(3) for rid in (await a.batch(f"same-{r}")).ids])
+        assert sorted(queued(a)) == expected  # one job per rollout: none twice, none missing
+        assert set(await a.statuses(expected)) == {"pending"}
+        assert (await a.stats()).by_state[Status.PENDING] == len(expected)
+    finally:
+        await a.aclose()
+        await b.aclose()
 
 
 def _with_metadata(metadata: dict[str, Any]) -> RolloutRequest:
@@ -220,7 +272,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("seed 2**64", lambda: [f.request(seed=2**64)], "seed"),
     ("stop None", lambda: [f.request(stop=None)], "stop"),
     ("stop_token_ids 5", lambda: [f.request(stop_token_ids=5)], "stop_token_ids"),
-    ("top-k logprobs", lambda: [f.request(logprobs=3)], "logprobs"),
+    ("logprobs over 20", lambda: [f.request(logprobs=21)], "logprobs must be <= 20"),
     ("big metadata", lambda: [_with_metadata({"x": "y" * 5000})], "metadata"),
     ("no prompts", lambda: [], "prompts"),
     ("not a request", lambda: [{"prompt_token_ids": [1]}], "prompts[0]"),
@@ -355,3 +407,49 @@ async def test_a_prompt_is_stored_once_and_older_snapshots_with_a_copy_still_rea
     assert not isinstance(old, Exception) and not isinstance(new, Exception)
     assert old.request == new.request and old.membership.sample_index == 1
     assert (await client.ack(batch_id="once")).live == list(batch)  # pending: kept
+
+
+async def test_rollouts_are_admitted_at_the_newest_published_version(
+    client: RolloutClient,
+) -> None:
+    """The batch's creation reads the newest version (no round trip of its own): a submit
+    after a publish is admitted at it, generated ids and named ones alike, and a retry that
+    writes the rollouts missing from its batch stamps the version of its own time."""
+    request = RolloutRequest(prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=4))
+    before = await client.submit([request], batch_id="v0")
+    await client.publish_weights(3, "/ckpt/3")
+    generated = await client.submit([request], n=2, batch_id="v3")
+    named = await client.submit([request], ids=["named-a"])
+    states = [await client.store.load(r) for r in [*before, *generated, *named]]
+    assert [s.admitted_version for s in states] == [0, 3, 3, 3]
+    # A batch recorded whose rollouts were not (a crash between the two): the retry writes them.
+    await client.publish_weights(4, "/ckpt/4")
+    await client.redis.delete(*client.keys.rollout("v3.0.1"))
+    again = await client.submit([request], n=2, batch_id="v3")
+    assert list(again) == list(generated) and not again.fresh and generated.fresh
+    reloaded = [await client.store.load(r) for r in again]
+    assert [s.admitted_version for s in reloaded] == [3, 4]
+
+
+async def test_two_clients_submitting_the_same_call_at_once_on_the_event_loop(
+    redis_server: RedisServer, real_redis: aredis.Redis
+) -> None:
+    """A submit of one chunk (a harness's call) goes on the client's own connection, without
+    a thread: one of two identical submits creates the batch, the other finds it recorded,
+    looks its rollouts up and writes those missing; both return the same ids, and every
+    rollout has exactly one job, whichever wrote it."""
+    a, b = RolloutClient(redis_server.url), RolloutClient(redis_server.url)
+    try:
+        batches_ = []
+        for round_ in range(20):
+            got = await asyncio.gather(
+                *(c.submit([f.request()], n=2, batch_id=f"call-{round_}") for c in (a, b))
+            )
+            assert list(got[0]) == list(got[1]) and [g.fresh for g in got].count(True) == 1
+            batches_.append(got[0])
+        expected = sorted(rid for batch in batches_ for rid in batch)
+        assert sorted(queued(a)) == expected
+        assert set(await a.statuses(expected)) == {"pending"}
+    finally:
+        await a.aclose()
+        await b.aclose()

@@ -44,3 +44,41 @@ async def test_waiters_are_woken_by_a_publish_not_by_polling(redis_client: aredi
     await reg.publish(9, "/d")
     newest = await reg.wait_newer(3, 1)
     assert newest is not None and newest.version == 9
+
+
+INT64_MAX = 2**63 - 1
+
+
+async def test_versions_compare_exactly_up_to_int64(redis_client: aredis.Redis) -> None:
+    """Lua numbers are doubles: 2**53 + 1 read as one equals 2**53 (refused as not above
+    it), and 2**63 - 1 came back as "9.2233720368548e+18", which no later publish could
+    parse (every one a 500 over the API). The comparison is exact now."""
+    reg = WeightRegistry(redis_client)
+    await reg.publish(2**53, "/a")
+    await reg.publish(2**53 + 1, "/b")  # above it by one: accepted
+    with pytest.raises(StaleWeightVersion, match=rf"latest published \({2**53 + 1}\)"):
+        await reg.publish(2**53 + 1, "/again")
+    with pytest.raises(StaleWeightVersion, match=rf"latest published \({2**53 + 1}\)"):
+        await reg.publish(2**53, "/older")
+    await reg.publish(INT64_MAX - 1, "/c")
+    await reg.publish(INT64_MAX, "/top")
+    for older in (INT64_MAX, INT64_MAX - 1, 9, 10**18):
+        with pytest.raises(StaleWeightVersion, match=rf"latest published \({INT64_MAX}\)"):
+            await reg.publish(older, "/older")
+    latest = await reg.latest()
+    assert latest is not None and (latest.version, latest.path) == (INT64_MAX, "/top")
+    assert [w.version for w in await reg.history()] == [2**53, 2**53 + 1, INT64_MAX - 1,
+                                                        INT64_MAX]  # fmt: skip
+
+
+async def test_a_version_beyond_int64_is_refused_and_writes_nothing(
+    redis_client: aredis.Redis,
+) -> None:
+    """Token weight versions are int64 arrays: a larger version could never be recorded on a
+    token, so it is refused by name (before: beyond 2**64 - 1 a Redis error; between, stored)."""
+    reg = WeightRegistry(redis_client)
+    await reg.publish(3, "/a")
+    for big in (INT64_MAX + 1, 2**64 - 1, 2**64, 10**30):
+        with pytest.raises(StaleWeightVersion, match="weight version must be an int in"):
+            await reg.publish(big, "/big")
+    assert [w.version for w in await reg.history()] == [3]

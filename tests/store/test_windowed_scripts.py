@@ -120,3 +120,15 @@ def test_an_error_building_a_call_is_raised_after_the_sent_calls_are_answered(
     with pytest.raises(ConnectionError, match="third call"):
         scripts.run_windowed_sync(sync, COUNTER, failing(), window=5)
     assert sync.lrange("k", 0, -1) == [b"0", b"1"]  # both sent calls ran, once each
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_script_not_cached_yet_runs_each_call_once_in_order(
+    sync: redis.Redis, window: int
+) -> None:
+    """No SCRIPT EXISTS probe: the first calls meet NOSCRIPT, run again by the script's text
+    before any later call is sent, and the rest go by sha (cached by then)."""
+    replies = scripts.run_windowed_sync(sync, COUNTER, calls(5), window=window)
+    assert sync.lrange("k", 0, -1) == [b"0", b"1", b"2", b"3", b"4"]
+    assert replies == [1, 2, 3, 4, 5]
+    assert sync.script_exists(COUNTER.sha) == [True]

@@ -4,14 +4,17 @@ dump of every key to prove that a refused call wrote nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pytest
 import redis.asyncio as aredis
 
 from statemachine import FinishReason, RolloutState, commands
 from statemachine.commands import NewTokens
 from store import EventStore
+from store.client import RolloutClient
 
 
 def tokens(n: int, start: int = 10, version: int = 0) -> NewTokens:
@@ -58,3 +61,21 @@ async def dump(redis: aredis.Redis) -> dict[bytes, Any]:
         }[kind]
         out[key] = (kind, await redis.ttl(key) > 0, await read(key))
     return out
+
+
+def ack_before_the_load(
+    monkeypatch: pytest.MonkeyPatch, acker: RolloutClient, **what: object
+) -> list[list[str]]:
+    """Make ``acker.ack(**what)`` land between a results block's ``XREAD`` and its
+    ``load_many`` (the window issue 28 hit 3 of 3 rounds), once; returns the loads asked."""
+    real = EventStore.load_many
+    asked: list[list[str]] = []
+
+    async def load_many(self: EventStore, ids: Sequence[str]) -> list[Any]:
+        asked.append(list(ids))
+        if len(asked) == 1:
+            await acker.ack(**what)  # type: ignore[arg-type]
+        return await real(self, ids)
+
+    monkeypatch.setattr(EventStore, "load_many", load_many)
+    return asked

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
+import redis.asyncio as aredis
+from redis.exceptions import OutOfMemoryError
 
 from statemachine import Aborted, Event, Failed, Finished, Resumed, SamplingParams, Started
 from tests.engine_pool import EnginePool
@@ -36,16 +39,19 @@ def start_worker(
     *extra: str,
     concurrency: int = 2,
     synthetic: dict[str, object] | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """A worker process on the CPU engine and ``model``, or with ``model`` None on the synthetic
-    engine (``SYNTHETIC_PACE`` updated with ``synthetic``): checkpoints every 8 tokens."""
+    engine (``SYNTHETIC_PACE`` updated with ``synthetic``): checkpoints every 8 tokens. ``env``:
+    variables added to its environment (e.g. libfaketime's)."""
     engine = "cpu" if model is not None else "synthetic"
     cmd = command(
         url, model or "", name, "--checkpoint-tokens", "8", *extra,
         concurrency=concurrency, engine=engine,
     )  # fmt: skip
-    env = {**os.environ, SYNTHETIC_ARGS_ENV: json.dumps({**SYNTHETIC_PACE, **(synthetic or {})})}
-    return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    pace = json.dumps({**SYNTHETIC_PACE, **(synthetic or {})})
+    full = {**os.environ, SYNTHETIC_ARGS_ENV: pace, **(env or {})}
+    return subprocess.Popen(cmd, env=full, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
 async def until(
@@ -131,3 +137,33 @@ async def direct_greedy(
         joined = join_chunks(chunks)
         out.append((joined.token_ids, joined.logprobs))
     return out
+
+
+@contextlib.asynccontextmanager
+async def out_of_memory(r: aredis.Redis) -> AsyncIterator[None]:
+    """The redis-server of ``r`` out of memory inside the block (maxmemory, noeviction): every
+    write that may grow memory is refused (OOM) until the block ends."""
+    used = int((await r.info("memory"))["used_memory"])
+    await r.config_set("maxmemory-policy", "noeviction")
+    await r.config_set("maxmemory", used + 1_000_000)
+    n = 0
+    try:
+        # A write is refused while memory is over the limit, its own query buffer counted,
+        # and the refusal frees that buffer, which can bring it back under: fill, in smaller
+        # writes after each refusal, until it stays over.
+        size = 50_000
+        while int((await r.info("memory"))["used_memory"]) <= used + 1_000_000:
+            try:
+                await r.set(f"filler:{n}", b"x" * size)
+            except OutOfMemoryError:
+                size = max(16, size // 10)
+            n += 1
+            assert n < 10_000, "never ran out of memory"
+        # Then hold it 1 MB under what is used: a buffer freed later (a client's, the AOF's,
+        # which Redis's check does not count) let one write through at the fill's edge in CI.
+        await r.config_set("maxmemory", used)
+        yield
+    finally:
+        await r.config_set("maxmemory", 0)
+        if n:
+            await r.delete(*[f"filler:{i}" for i in range(n)])

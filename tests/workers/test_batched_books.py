@@ -27,8 +27,8 @@ from store.client import RolloutClient
 from store.redis_server import RedisServer
 from tests import factories as f
 from workers.engines.synthetic import SyntheticEngine
+from workers.outcomes import Outcome
 from workers.rq_bridge import RqBridge
-from workers.runner import Outcome
 from workers.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.redis_server

@@ -123,9 +123,7 @@ async def test_stalled_worker_is_fenced_out_and_carries_on(
     try:
         await until(lambda: _at_least(client, rid, 8))
         os.kill(a.pid, signal.SIGSTOP)  # stalled past its lease: alive, but silent
-        b = start_worker(
-            server.url, SYNTHETIC, "rescuer", tmp_path / "b.log", *FAST, concurrency=1
-        )
+        b = start_worker(server.url, SYNTHETIC, "rescuer", tmp_path / "b.log", *FAST, concurrency=1)
         await until(lambda: _attempt_at_least(client, rid, 2))
         await until(lambda: _at_least(client, rid, 40))
         os.kill(a.pid, signal.SIGCONT)  # it wakes up and tries to append its buffered tokens
@@ -154,9 +152,7 @@ async def _attempt_at_least(client: RolloutClient, rid: str, n: int) -> bool:
     return (await client.store.load(rid)).attempt >= n
 
 
-async def test_duplicate_job_runs_are_exactly_once(
-    server: RedisServer, tmp_path: Path
-) -> None:
+async def test_duplicate_job_runs_are_exactly_once(server: RedisServer, tmp_path: Path) -> None:
     client = RolloutClient(server.url)
     ps = prompts(3, seed=2)
     ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(48)) for p in ps])
@@ -165,9 +161,7 @@ async def test_duplicate_job_runs_are_exactly_once(
     enqueue_rollouts(queue, ids)
     enqueue_rollouts(queue, ids)
     workers = [
-        start_worker(
-            server.url, SYNTHETIC, f"d{i}", tmp_path / f"d{i}.log", *FAST, concurrency=2
-        )
+        start_worker(server.url, SYNTHETIC, f"d{i}", tmp_path / f"d{i}.log", *FAST, concurrency=2)
         for i in range(3)
     ]
     try:
@@ -188,16 +182,12 @@ async def _queue_empty(queue) -> bool:  # type: ignore[no-untyped-def]
     return queue.count == 0
 
 
-async def test_redis_restart_while_generating(
-    server: RedisServer, tmp_path: Path
-) -> None:
+async def test_redis_restart_while_generating(server: RedisServer, tmp_path: Path) -> None:
     client = RolloutClient(server.url)
     ps = prompts(6, seed=3)
     ids = await client.submit([RolloutRequest(prompt_token_ids=p, sampling=greedy(64)) for p in ps])
     workers = [
-        start_worker(
-            server.url, SYNTHETIC, f"r{i}", tmp_path / f"r{i}.log", *FAST, concurrency=3
-        )
+        start_worker(server.url, SYNTHETIC, f"r{i}", tmp_path / f"r{i}.log", *FAST, concurrency=3)
         for i in range(2)
     ]
     try:
@@ -213,9 +203,7 @@ async def test_redis_restart_while_generating(
         assert await client.store.load(rid) == await client.store.replay(rid)
 
 
-async def test_bounded_chaos(
-    server: RedisServer, tmp_path: Path
-) -> None:
+async def test_bounded_chaos(server: RedisServer, tmp_path: Path) -> None:
     """Workers killed at random, Redis restarted, one weight update.
 
     The steps come at random points of the work's progress (not of the clock, which made the
@@ -314,9 +302,7 @@ async def test_sigterm_saves_progress_and_exits_promptly(
         assert any(s.abort_reason is AbortReason.SHUTDOWN and s.num_tokens >= 2 * K for s in states)
         # Unpaced: what is tested is how `t` stopped; `t2` only finishes the work (the
         # synthetic engine's tokens do not depend on its pace; paced, this took ~3 s).
-        b = start_worker(
-            server.url, SYNTHETIC, "t2", tmp_path / "t2.log", *FAST, synthetic=UNPACED
-        )
+        b = start_worker(server.url, SYNTHETIC, "t2", tmp_path / "t2.log", *FAST, synthetic=UNPACED)
         results = await client.wait(ids, timeout=180)
     finally:
         stop(a, *(p for p in [b] if p))

@@ -69,6 +69,24 @@ async def test_a_job_whose_hash_is_gone_is_skipped_and_the_rest_are_taken(
     assert sync.llen(queue.key) == 0
 
 
+async def test_a_malformed_job_hash_is_dropped_and_the_rest_are_taken(
+    server: RedisServer, sync: Redis, bridge: RqBridge
+) -> None:
+    """A hash with no payload (the 30-minute soak met one: its fields written back after the
+    job was deleted) made rq's fetch raise for the whole batch, every turn, on every worker:
+    the fleet took no job. Now it is deleted and taken off the intermediate list."""
+    ids = await _submit(server, 3)
+    queue = bridge.queues[0]
+    job_ids = [j.decode() for j in sync.lrange(queue.key, 0, -1)]
+    sync.delete(f"rq:job:{job_ids[1]}")
+    sync.hset(f"rq:job:{job_ids[1]}", mapping={"last_heartbeat": "x", "status": "queued",
+                                                "enqueued_at": "y"})  # fmt: skip
+    taken = await bridge.dequeue_many(1, 4)
+    assert [t.rollout_id for t in taken] == [ids[0], ids[2]]
+    assert not sync.exists(f"rq:job:{job_ids[1]}")
+    assert job_ids[1].encode() not in sync.lrange(queue.intermediate_queue_key, 0, -1)
+
+
 async def test_a_job_that_is_not_ours_comes_with_its_problem_beside_good_ones(
     server: RedisServer, bridge: RqBridge
 ) -> None:

@@ -32,7 +32,7 @@ from store import EventStore, defaults
 from store.client import RolloutClient
 from store.keys import Keys
 from store.leases import Leases
-from store.presence import Presence, PresenceWatch
+from store.presence import SUBSCRIPTIONS, Presence, PresenceWatch
 from store.queue import rollout_queue
 from store.redis_server import RedisServer
 from tests import factories as f
@@ -84,7 +84,8 @@ async def die(presence: Presence, task: asyncio.Task[None]) -> None:
     """What a kill does to a worker's presence: the connection closes, nothing unregisters."""
     task.cancel()
     await asyncio.wait([task])
-    await presence.client.aclose()
+    for c in presence.clients:
+        await c.aclose()
 
 
 async def _live(store: EventStore, leases: Leases, rid: str, worker: str) -> None:
@@ -111,7 +112,7 @@ async def test_a_closed_connection_is_gone_a_live_one_is_not(
         # Redis drops the live worker's connection: it resubscribes before the confirmation.
         assert await client.client_kill_filter(_type="pubsub") >= 1
         assert await check(client) == ["dead"]
-        await until(lambda: _subscribers(client, "alive", 1), timeout=10)
+        await until(lambda: _subscribers(client, "alive", SUBSCRIPTIONS), timeout=10)
         # Another reaper won this interval's token: this one does not check.
         await client.delete(KEYS.presence_check())
         w = PresenceWatch(client, me="reaper", check_s=60, confirm_s=0.2, grace_s=0)
@@ -200,6 +201,44 @@ async def test_reaper_takes_back_only_the_gone_workers_live_attempts(
         assert await client.hkeys(KEYS.presence()) == []
         assert await mine.held_by("w-dead") == []
         assert await reaper.reap_gone() == []
+    finally:
+        sync.close()
+
+
+async def test_a_gone_workers_rollout_whose_enqueue_failed_is_given_back_by_its_lease(
+    server: RedisServer, client: aredis.Redis
+) -> None:
+    # Before: the abort was recorded and the lease released, then the enqueue failed: the
+    # rollout stayed aborted with no job and no lease, forever.
+    store, sync = EventStore(client), redis.Redis.from_url(server.url)
+    mine = Leases(client, holder="w-dead")
+    await store.append(None, Submitted(rollout_id="r1", seq=1, request=f.request(32)))
+    await mine.take("r1", 1.0)
+    s = await store.append(
+        await store.load("r1"), f.started(await store.load("r1"), worker="w-dead")
+    )
+    await store.append(s, f.tokens(s))
+    await client.hset(KEYS.presence(), "w-dead", "1")  # registered; its connection is gone
+    queue = rollout_queue(sync)
+    sync.set(queue.key, "not a list")  # the enqueue fails (WRONGTYPE), as under Redis OOM
+    reaper = Reaper(store, Leases(client), sync, presence=watch(client))
+    try:
+        assert await reaper.reap_gone() == []
+        assert (await store.load("r1")).status is Status.ABORTED
+        assert await Leases(client).expiry("r1") is not None  # kept for a retry
+        sync.delete(queue.key)
+        # Aborted already, so no longer the gone worker's live attempt: the next check leaves
+        # it to its lease, which the passes over expired leases give back once it lapses.
+        await client.delete(KEYS.presence_check())
+        assert await reaper.reap_gone() == []
+
+        async def given_back() -> bool:
+            return await reaper.reap_once() == ["r1"]
+
+        await until(given_back, timeout=10, what="the lapsed lease was not given back")
+        assert queue.count == 1
+        aborts = [e for e in await store.events("r1") if isinstance(e, Aborted)]
+        assert len(aborts) == 1
     finally:
         sync.close()
 

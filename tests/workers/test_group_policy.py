@@ -9,7 +9,9 @@ import pytest
 from statemachine import FailureClass, RolloutRequest, SamplingParams, Status
 from store.client import RolloutClient
 from store.redis_server import RedisServer
+from tests.store.trainer import finish, start
 from workers.engines.synthetic import SyntheticEngine
+from workers.failures import record_failure
 from workers.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.redis_server
@@ -78,3 +80,22 @@ async def test_sample_policy_leaves_the_siblings_of_a_failed_sample_alone(
     assert results[1].failure is FailureClass.REQUEST_ERROR
     assert [len(r.response_token_ids) for r in (results[0], results[2])] == [400, 400]
     await client.aclose()
+
+
+async def test_a_sibling_acknowledged_already_does_not_spare_the_others(
+    server: RedisServer,
+) -> None:
+    """Issue 28's sibling of an ack racing a read: the trainer acknowledged one sample, then
+    another failed; the cancel of the group met the acknowledged one (RolloutNotFound), gave
+    up, and left the third sample running."""
+    client = RolloutClient(server.url)
+    try:
+        prompt = RolloutRequest(prompt_token_ids=(1, 2, 3), sampling=LONG)
+        ids = await client.submit([prompt], n=3, group_policy="group", batch_id="grp")
+        await finish(client.store, ids[0])
+        assert (await client.ack([ids[0]])).acked == [ids[0]]
+        failing = await start(client.store, ids[1])
+        await record_failure(client.store, failing, "refused", FailureClass.REQUEST_ERROR)
+        assert await client.statuses(ids[1:]) == ["failed", "cancelled"]
+    finally:
+        await client.aclose()

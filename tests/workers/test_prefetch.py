@@ -19,7 +19,8 @@ from tests import factories as f
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Chunk, EngineRequest, Step
 from workers.engines.synthetic import SyntheticEngine
-from workers.runner import Outcome, RolloutRunner
+from workers.outcomes import Outcome
+from workers.runner import RolloutRunner
 from workers.worker import Worker, WorkerConfig
 
 PROMPT = (1, 2, 3)  # tests.factories' default prompt

@@ -14,7 +14,8 @@ from redis import Redis
 
 from statemachine import Status, Submitted
 from store import EventStore
-from store.leases import Leases, now_ms
+from store.inspect import find_stuck
+from store.leases import Leases
 from store.queue import JOB_FUNC, enqueue_rollouts, rollout_queue
 from store.redis_server import RedisServer
 from tests import factories as f
@@ -67,13 +68,18 @@ async def test_unloadable_rollouts_are_refused_once_not_requeued_forever(
     await _run_for(worker, 3.0)
     books = _registries(sync)
     # Before: each was requeued at once, forever (~300 requeues/s, on every worker).
-    assert len(books["failed"]) == 2 and books["queued"] == books["started"] == []
+    assert len(books["failed"]) == 1 and books["queued"] == books["started"] == []
     reasons = {
         rollout_queue(sync).fetch_job(j).kwargs["rollout_id"]: rollout_queue(sync).fetch_job(j)
         for j in books["failed"]
     }
-    assert "no rollout 'missing'" in (reasons["missing"].exc_info or "")
     assert "checksum" in (reasons["corrupt"].exc_info or "")
+    # The job of a rollout that does not exist (acknowledged, or never submitted) is refused
+    # with why, then deleted: nothing of an acknowledged rollout stays in Redis (invariant 9).
+    assert "missing" not in reasons
+    left = [k.decode().removeprefix("rq:job:") for k in sync.keys("rq:job:*")]
+    owners = {rollout_queue(sync).fetch_job(j).kwargs["rollout_id"] for j in left}
+    assert "missing" not in owners and "corrupt" in owners
     assert worker.stats.outcomes["refused"] == 2
     # The damaged rollout ends (a waiting trainer sees it fail), the healthy one is done.
     assert await store.statuses(["corrupt"]) == [Status.FAILED]
@@ -214,9 +220,7 @@ async def test_shutdown_is_bounded_when_a_loop_swallows_its_cancel(
         return []
 
     monkeypatch.setattr(Reaper, "reap_once", swallowing_pass)
-    worker = Worker(
-        WorkerConfig(redis_url=server.url, reap_interval_s=0.01), SyntheticEngine()
-    )
+    worker = Worker(WorkerConfig(redis_url=server.url, reap_interval_s=0.01), SyntheticEngine())
     task = asyncio.create_task(worker.run())
     await asyncio.sleep(1.0)
     worker.request_stop()
@@ -234,10 +238,9 @@ async def test_a_rollout_with_an_expired_lease_is_not_reaped_onto_the_reapers_qu
     await _submit(store, "dense-job", 32, queue="qk")
     s = await store.load("dense-job")
     await store.append(s, f.started(s, worker="dead", model="qwen3:dense"))
-    await client.zadd(Leases(client).key, {"dense-job": now_ms() - 1000})
-    worker = Worker(
-        WorkerConfig(redis_url=server.url, reap_interval_s=0.05), SyntheticEngine()
-    )
+    leases = Leases(client)
+    await client.zadd(leases.key, {"dense-job": (await leases.read()).now_ms - 1000})
+    worker = Worker(WorkerConfig(redis_url=server.url, reap_interval_s=0.05), SyntheticEngine())
     await _run_for(worker, 2.0)
     state = await store.load("dense-job")
     assert state.status is Status.ABORTED and state.attempt == 1  # nobody here ran it
@@ -264,6 +267,10 @@ async def test_a_job_on_the_wrong_queue_moves_to_the_rollouts_own_and_another_mo
     await _run_for(worker, 2.5)
     assert len(_registries(sync, "qk")["queued"]) == 1
     assert (await store.load("for-qk")).status is Status.PENDING
+    # qk is among rq's queues, so its job is seen (`rq info`, ``find_stuck``, the stranded
+    # net): before, the stranded net could requeue for-qk a second time.
+    assert rollout_queue(sync, "qk").key.encode() in sync.smembers("rq:queues")
+    assert "for-qk" not in [s.rollout_id for s in await find_stuck(store, sync, recheck_s=0.1)]
     # Refused without a write, given back after a backoff (1 s, then 2 s): not a hot loop.
     other = await store.load("other-model")
     assert other.status is Status.ABORTED and other.attempt == 1

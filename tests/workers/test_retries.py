@@ -35,9 +35,7 @@ async def _history(store: EventStore, rid: str, prompt: tuple[int, ...], aborts:
 
 async def _run_burst(server: RedisServer, engine: SyntheticEngine, rids: list[str]) -> None:
     enqueue_rollouts(rollout_queue(connect_sync(server.url)), rids)
-    config = WorkerConfig(
-        redis_url=server.url, burst=True, max_engine_attempts=3
-    )
+    config = WorkerConfig(redis_url=server.url, burst=True, max_engine_attempts=3)
     await Worker(config, engine).run()
 
 

@@ -13,11 +13,13 @@ import redis.asyncio as aredis
 from statemachine import AbortReason, Status
 from statemachine.arrays import LOGPROB_FLOOR
 from store import EventStore, StaleAttempt
+from store.leases import Leases
 from tests import factories as f
-from workers.checkpoint import Checkpointer
+from workers.checkpoint import Cadence, Checkpointer
 from workers.engines.base import Chunk, EngineRequest
 from workers.engines.synthetic import SyntheticEngine
-from workers.runner import Cadence, Outcome, RolloutRunner, Stats
+from workers.outcomes import Outcome, Stats
+from workers.runner import RolloutRunner
 
 
 class NonFiniteEngine(SyntheticEngine):
@@ -283,3 +285,32 @@ async def test_a_finished_rollout_frees_its_engine_slot_before_its_last_round_tr
     await runner.stop("stopped", AbortReason.SHUTDOWN)
     aborted = await running
     assert aborted.outcome is Outcome.ABORTED and "stopped" not in freed
+
+
+async def test_a_job_delivered_again_to_the_worker_running_it_leaves_the_run_its_lease(
+    real_redis: aredis.Redis,
+) -> None:
+    """The soak's ``lease_expired`` of a live worker (issue 28): rq delivered a rollout's job
+    again to the very worker generating it (its execution, stamped by a host clock stepped
+    back, looked abandoned to another worker's sweep). The second run found the lease live
+    (a duplicate), but had replaced the live run's record on its way in and deleted it on its
+    way out: the rollout left ``active``, the heartbeat stopped renewing its lease, and a
+    reaper took the live worker's rollout over 5 s later."""
+    store = EventStore(real_redis)
+    await submit(store, "dup", 400)
+    leases = Leases(real_redis, holder="w")
+    engine = SyntheticEngine(token_delay_s=0.005)
+    runner = RolloutRunner(store, Checkpointer(store), engine, "w", leases=leases)
+    live = asyncio.create_task(runner.run("dup"))
+    while not (await store.load("dup")).num_tokens:
+        await asyncio.sleep(0.01)
+    assert runner.active == ["dup"]
+
+    again = await runner.run("dup")
+
+    assert again.outcome is Outcome.DUPLICATE
+    assert runner.active == ["dup"]  # the live run's lease is still this worker's to renew
+    await runner.stop("dup", AbortReason.WEIGHT_UPDATE)  # reaches the live run, not the copy
+    result = await asyncio.wait_for(live, 10)
+    assert result.outcome is Outcome.ABORTED and 0 < result.state.num_tokens < 400
+    assert runner.active == [] and await leases.expiry("dup") is None

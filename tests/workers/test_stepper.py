@@ -19,7 +19,9 @@ from workers.checkpoint import Cadence, Checkpointer
 from workers.engines.base import Chunk, EngineRequest, Step
 from workers.engines.errors import EngineDead
 from workers.engines.synthetic import SyntheticEngine
-from workers.runner import Outcome, RolloutRunner, offers_steps
+from workers.generation import offers_steps
+from workers.outcomes import Outcome
+from workers.runner import RolloutRunner
 
 PROMPT = (1, 2, 3)  # tests.factories' default prompt
 

@@ -15,7 +15,8 @@ from tests import factories as f
 from tests.engine_pool import EnginePool
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Chunk, EngineRequest
-from workers.runner import Outcome, RolloutRunner
+from workers.outcomes import Outcome
+from workers.runner import RolloutRunner
 
 
 class _StopWhileOpening:

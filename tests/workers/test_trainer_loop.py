@@ -38,7 +38,7 @@ async def settle(redis: aredis.Redis) -> None:
     # Execution records expire a heartbeat TTL after their job ended.
     await until(lambda: _no_executions(redis), 30, "execution records stayed")
     # A job whose rollout was acknowledged while it was still started is deleted by its
-    # worker just after rq's success wrote it (workers/rq_bridge.py): a moment after the
+    # worker just after rq's success wrote it (workers/rq_mirror.py): a moment after the
     # started registry emptied. Under load that moment is long enough to see.
     await until(lambda: _no_jobs(redis), 30, "jobs of acknowledged rollouts stayed")
 

@@ -33,7 +33,7 @@ from tests.workers.helpers import (
     start_worker,
     stop,
 )
-from workers.tiny_model import make_tiny_checkpoint
+from workers.demo.tiny_model import make_tiny_checkpoint
 
 pytestmark = pytest.mark.redis_server
 

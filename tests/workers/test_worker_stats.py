@@ -36,9 +36,10 @@ async def test_a_worker_process_shows_in_the_stats_until_it_stops(
             return any(w.in_flight == 2 for w in (await client.stats()).workers)
 
         await until(both_running, 60, "the worker never showed 2 rollouts in flight")
-        [w] = (await client.stats()).workers
+        stats = await client.stats()
+        [w] = stats.workers
         assert (w.worker_id, w.weight_version, w.queues) == ("ws", 7, ("rollouts",))
-        assert w.model.startswith("synthetic:") and w.age_s() < 3
+        assert w.model.startswith("synthetic:") and 0 <= w.age_s(stats.now) < 3
         stop(worker)
         assert worker.returncode == 0
         # Gone at once (not after the staleness window): the worker removed its own entry.

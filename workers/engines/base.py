@@ -58,6 +58,10 @@ class Chunk:
     - `weight_version`: the weight version that sampled these tokens. A chunk never spans a
       weight swap, so a caller can tag every token exactly (invariant 4) even when weights
       change under an in-flight request.
+    - `top_token_ids` (int32) and `top_logprobs` (float32), [n, k] for a request with
+      `sampling.logprobs = k` >= 1, else None: vLLM's top-k at each position, the k most likely
+      tokens under the same raw distribution as `logprobs`, most likely first (the sampled
+      token is among them when it ranks within k; under greedy it is the first).
     """
 
     token_ids: np.ndarray
@@ -66,6 +70,8 @@ class Chunk:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     weight_version: int = 0
+    top_token_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -76,6 +82,8 @@ class Joined:
     logprobs: np.ndarray  # float32 [n]
     weight_versions: np.ndarray  # int64 [n], the version of each token's chunk
     routed_experts: np.ndarray | None  # [n, layers, top_k] or None (dense)
+    top_token_ids: np.ndarray | None = None  # int32 [n, k] (logprobs=k), or None
+    top_logprobs: np.ndarray | None = None  # float32 [n, k], or None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -97,7 +105,11 @@ class Step:
     each when ``counts`` is None, vLLM's cadence), laid end to end in ``token_ids``,
     ``logprobs`` and ``routed_experts`` (as in ``Chunk``). A request appears at most once per
     step, and a step never spans a weight swap (``weight_version`` sampled all of it).
-    ``ends``: the requests whose stream ended with this step (see ``End``)."""
+    ``ends``: the requests whose stream ended with this step (see ``End``).
+    ``top_token_ids``/``top_logprobs``: [T, K] when some request of the step asked for top-k
+    logprobs, K at least the widest k asked: a request with ``logprobs = k`` takes the first k
+    columns of its rows (each row most likely first, so these are its top-k); the rest of a
+    row, and the rows of requests that asked for none, mean nothing. None when none asked."""
 
     request_ids: Sequence[str]
     token_ids: np.ndarray  # int32 [T]
@@ -106,6 +118,8 @@ class Step:
     routed_experts: np.ndarray | None = None  # [T, layers, top_k] or None (dense)
     weight_version: int = 0
     ends: Mapping[str, End] = field(default_factory=dict)
+    top_token_ids: np.ndarray | None = None  # int32 [T, K]
+    top_logprobs: np.ndarray | None = None  # float32 [T, K]
 
     @classmethod
     def only_ends(cls, ends: Mapping[str, End]) -> Step:
@@ -140,6 +154,7 @@ def join_chunks(chunks: Sequence[Chunk]) -> Joined:
     """One ``Joined`` of ``chunks`` (at least one), in order."""
     token_ids, logprobs = join_tokens(chunks)
     routes = [c.routed_experts for c in chunks]
+    top = chunks[0].top_token_ids is not None
     return Joined(
         token_ids=token_ids,
         logprobs=logprobs,
@@ -147,6 +162,8 @@ def join_chunks(chunks: Sequence[Chunk]) -> Joined:
             [np.full(len(c.token_ids), c.weight_version, dtype=np.int64) for c in chunks]
         ),
         routed_experts=None if routes[0] is None else np.concatenate(routes),  # type: ignore[arg-type]
+        top_token_ids=np.concatenate([c.top_token_ids for c in chunks]) if top else None,
+        top_logprobs=np.concatenate([c.top_logprobs for c in chunks]) if top else None,
     )
 
 

@@ -9,7 +9,9 @@ original prompt and the absolute position ``i`` in the response. Token ``i`` is
 routed experts ``(i + [0 .. layers * top_k)) % experts`` as ``[layers, top_k]``. A resumed
 request (``resumed_tokens=k``: the last ``k`` prompt ids are the rollout's own output) is
 continued from position ``k`` of the original prompt, so an aborted and resumed rollout holds
-exactly the tokens, logprobs and routes of an uninterrupted run.
+exactly the tokens, logprobs and routes of an uninterrupted run. A request with
+``logprobs=k`` gets as its top-k at each position the tokens ``token + j`` (j < k, modulo the
+vocabulary) with logprobs ``logprob - j / 2``: the sampled token first, as greedy sampling has it.
 
 Its limits (``limits``) are its ``vocab`` and ``context_length`` (None: unlimited); the
 worker checks requests against them as against a real model's (``inflight.check_request``).
@@ -75,6 +77,7 @@ class SyntheticEngine:
         self._done = np.empty(0, dtype=np.int64)
         self._end = np.empty(0, dtype=np.int64)
         self._ends: dict[str, End] = {}  # aborted since the last step, reported by the next
+        self._asks: dict[str, int] = {}  # requests added with ``add`` that asked for top-k
         # Per-token values repeat (routes with period `experts`, logprobs with period 7):
         # precomputed, so a chunk costs a slice and a copy and the benchmark's ceiling measures
         # the worker, not this engine.
@@ -129,13 +132,28 @@ class SyntheticEngine:
                 at = first % self.experts
                 routes = self._routes[at : at + n].copy()
             at = first % LOGPROB_PERIOD
+            ids = ((base + np.arange(first, done)) % self.vocab).astype(np.int32)
+            logprobs = self._logprobs[at : at + n].copy()
+            top_ids, top_lps = self._top(ids, logprobs, request.sampling.logprobs)
             yield Chunk(
-                token_ids=((base + np.arange(first, done)) % self.vocab).astype(np.int32),
-                logprobs=self._logprobs[at : at + n].copy(),
+                token_ids=ids,
+                logprobs=logprobs,
                 routed_experts=routes,
                 finish_reason=FinishReason.LENGTH if done == end else None,
                 weight_version=self._weight_version,
+                top_token_ids=top_ids,
+                top_logprobs=top_lps,
             )
+
+    def _top(
+        self, ids: np.ndarray, logprobs: np.ndarray, k: int
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Top-k arrays [n, k] for sampled ``ids`` (see the module docstring); None if k is 0."""
+        if not k:
+            return None, None
+        j = np.arange(k)
+        top_ids = ((ids[:, None].astype(np.int64) + j) % self.vocab).astype(np.int32)
+        return top_ids, (logprobs[:, None] - j / 2).astype(np.float32)
 
     async def add(self, request: EngineRequest) -> None:
         rid = request.request_id
@@ -147,6 +165,8 @@ class SyntheticEngine:
         if rid in self._ids:
             raise EngineError(f"request id {rid!r} is already in flight")
         self._ids = [*self._ids, rid]  # a new list: a step handed out keeps its own
+        if request.sampling.logprobs:
+            self._asks[rid] = request.sampling.logprobs
         self._base = np.append(self._base, base)
         self._done = np.append(self._done, done)
         self._end = np.append(self._end, end)
@@ -173,14 +193,20 @@ class SyntheticEngine:
         if self._routes is not None:
             routes = self._routes[positions % self.experts]
         ends, self._ends = self._ends, {}
+        token_ids = ((bases + positions) % self.vocab).astype(np.int32)
+        logprobs = self._logprobs[positions % LOGPROB_PERIOD]
+        # Only when some request asked: the widest k for all rows (each takes its first k).
+        top_ids, top_lps = self._top(token_ids, logprobs, max(self._asks.values(), default=0))
         step = Step(
             request_ids=ids,
             counts=counts,
-            token_ids=((bases + positions) % self.vocab).astype(np.int32),
-            logprobs=self._logprobs[positions % LOGPROB_PERIOD],
+            token_ids=token_ids,
+            logprobs=logprobs,
             routed_experts=routes,
             weight_version=self._weight_version,
             ends=ends,
+            top_token_ids=top_ids,
+            top_logprobs=top_lps,
         )
         self._done = done = done + n
         finished = done >= end
@@ -191,6 +217,10 @@ class SyntheticEngine:
         return step
 
     def _drop(self, keep: np.ndarray) -> None:
+        if self._asks:
+            for rid, k in zip(self._ids, keep.tolist(), strict=True):
+                if not k:
+                    self._asks.pop(rid, None)
         self._ids = [rid for rid, k in zip(self._ids, keep.tolist(), strict=True) if k]
         self._base, self._done, self._end = self._base[keep], self._done[keep], self._end[keep]
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from statemachine.codec import pack_array
+from statemachine.arrays import pack_array
 from statemachine.request import SamplingParams
 from workers.engines.cpu.model import CpuModel
-from workers.engines.cpu.sampling import banned_tokens, sample, step_seed
+from workers.engines.cpu.sampling import banned_tokens, sample, step_seed, top_logprobs
 from workers.engines.cpu.stopping import StopChecker
 from workers.engines.errors import EngineError
 
@@ -190,8 +190,10 @@ class EngineCore:
         seq.tokens.append(token)
         finish, stop_reason = seq.stop.check(seq.tokens[seq.n_prompt :], len(seq.tokens))
         routes = None if routing is None else pack_array(routing[None])
+        # Top-k only when asked: the k=0 path computes nothing more than it did before.
+        top = top_logprobs(logits, params.logprobs) if params.logprobs else None
         self._out.append(
             ["chunk", seq.serial, token, logprob, routes,
-             None if finish is None else finish.value, stop_reason, self.weight_version]
+             None if finish is None else finish.value, stop_reason, self.weight_version, top]
         )  # fmt: skip
         return finish is not None

@@ -29,32 +29,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
 import queue
 import subprocess
-import sys
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from statemachine.codec import unpack_array
-from statemachine.status import FinishReason
 from workers.engines.base import Chunk, End, EngineLimits, EngineRequest, Step
+from workers.engines.cpu.channel import (
+    ERRORS,
+    Post,
+    StepBuilder,
+    chunk_of,
+    fresh,
+    handshake,
+    post_all,
+    settler,
+    spawn_core,
+    still_open,
+)
 from workers.engines.cpu.wire import FrameReader, write_frame
 from workers.engines.errors import (
     EngineClosed,
     EngineDead,
     EngineError,
     RequestAborted,
-    RequestRejected,
     WeightLoadError,
 )
 from workers.engines.identity import model_identity
@@ -62,21 +66,8 @@ from workers.engines.inflight import InFlightEngine, Stream, check_request
 
 log = logging.getLogger(__name__)
 
-# Importing torch and transformers and loading a model takes 5-10 s on a small machine; a
-# core that has not said "ready" long after that is stuck.
-START_TIMEOUT_S = 300.0
 # How long close() waits for the core to exit on its own before killing it.
 CLOSE_TIMEOUT_S = 10.0
-
-_ERRORS: dict[str, type[EngineError]] = {
-    "EngineError": EngineError,
-    "EngineClosed": EngineClosed,
-    "RequestRejected": RequestRejected,
-    "WeightLoadError": WeightLoadError,
-}
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
-
-Post = Callable[..., None]
 
 
 @dataclass(eq=False)
@@ -127,10 +118,10 @@ class CpuEngine(InFlightEngine[_Stream]):
         # pipe is full (a long prompt, the core busy with a weight load), and the event loop
         # must not block with it.
         self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
-        self._proc, self._to_core, self._from_core = _spawn(model_dir, weight_version, threads)
+        self._proc, self._to_core, self._from_core = spawn_core(model_dir, weight_version, threads)
         reader = FrameReader(self._from_core)
         try:
-            info = self._handshake(reader, model_dir)
+            info = handshake(reader, self._proc, model_dir)
         except BaseException:
             self._kill()
             self._close_fds()
@@ -231,25 +222,7 @@ class CpuEngine(InFlightEngine[_Stream]):
         """``step`` without what it holds of requests aborted since the reader queued it (the
         reader builds steps ahead of the consumer): after ``abort`` returns, no token of the
         request comes, and its only end is the abort's."""
-        is_open = self._step_open.__contains__
-        if all(map(is_open, step.request_ids)) and all(map(is_open, step.ends)):
-            return step
-        keep = [i for i, rid in enumerate(step.request_ids) if is_open(rid)]
-        ends = {
-            rid: end
-            for rid, end in step.ends.items()
-            if is_open(rid) or isinstance(end.error, RequestAborted)
-        }
-        rows = np.asarray(keep, dtype=np.intp)  # one token per request: the CPU core's steps
-        routes = step.routed_experts
-        return dataclasses.replace(
-            step,
-            request_ids=[step.request_ids[i] for i in keep],
-            token_ids=step.token_ids[rows],
-            logprobs=step.logprobs[rows],
-            routed_experts=None if routes is None else routes[rows],
-            ends=ends,
-        )
+        return still_open(step, self._step_open.__contains__)
 
     async def _stop(self, stream: _Stream) -> None:
         if stream.queue is None:
@@ -290,7 +263,7 @@ class CpuEngine(InFlightEngine[_Stream]):
     def _raise_if_gone(self) -> None:
         self._raise_if_closed()
         if self._gone is not None:
-            raise _fresh(self._gone)
+            raise fresh(self._gone)
 
     def _send(self, message: list[Any]) -> None:
         self._outbox.put(message)
@@ -318,27 +291,6 @@ class CpuEngine(InFlightEngine[_Stream]):
         finally:
             with self._lock:
                 self._replies.pop(token, None)
-
-    def _handshake(self, reader: FrameReader, model_dir: str | Path) -> dict[str, Any]:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                messages = reader.read(0.5)
-            except EOFError:
-                messages = []
-            if messages:
-                kind, *rest = messages[0]
-                if kind == "ready":
-                    return dict(rest[0])
-                kind, text = rest
-                raise EngineError(f"cannot start the CPU engine on {model_dir!s}: {kind}: {text}")
-            code = self._proc.poll()
-            if code is not None:
-                raise EngineError(
-                    f"the CPU engine process for {model_dir!s} exited with code {code} "
-                    "before it was ready (its stderr says why)"
-                )
-        raise EngineError(f"the CPU engine for {model_dir!s} was not ready in {START_TIMEOUT_S}s")
 
     # ---- writer and reader threads ---------------------------------------------------
 
@@ -380,16 +332,16 @@ class CpuEngine(InFlightEngine[_Stream]):
         posts: dict[asyncio.AbstractEventLoop, list[tuple[Post, Any]]] = {}
         if stepping and self._step_out is not None:
             loop, steps = self._step_out
-            posts.setdefault(loop, []).append((steps.put_nowait, _fresh(gone)))
+            posts.setdefault(loop, []).append((steps.put_nowait, fresh(gone)))
         for loop, chunks in sinks.values():
-            posts.setdefault(loop, []).append((chunks.put_nowait, _fresh(gone)))
+            posts.setdefault(loop, []).append((chunks.put_nowait, fresh(gone)))
         for loop, future, _ in replies.values():
-            posts.setdefault(loop, []).append((_settler(future), _fresh(gone)))
-        _post_all(posts)
+            posts.setdefault(loop, []).append((settler(future), fresh(gone)))
+        post_all(posts)
 
     def _dispatch(self, messages: list[Any]) -> None:
         posts: dict[asyncio.AbstractEventLoop, list[tuple[Post, Any]]] = {}
-        steps = _StepBuilder()
+        steps = StepBuilder()
         with self._lock:
             for message in messages:
                 kind = message[0]
@@ -399,47 +351,39 @@ class CpuEngine(InFlightEngine[_Stream]):
                         del self._step_sinks[message[1]]
                     continue
                 if kind == "chunk":
-                    _, serial, token, logprob, routes, finish, stop_reason, version = message
-                    sink = self._sinks.get(serial)
+                    sink = self._sinks.get(message[1])
                     if sink is None:
                         continue  # aborted: late output is dropped
-                    if finish is not None:
-                        del self._sinks[serial]
-                    chunk = Chunk(
-                        token_ids=np.array([token], dtype=np.int32),
-                        logprobs=np.array([logprob], dtype=np.float32),
-                        routed_experts=None if routes is None else unpack_array(routes),
-                        finish_reason=None if finish is None else FinishReason(finish),
-                        stop_reason=stop_reason,
-                        weight_version=version,
-                    )
+                    if message[5] is not None:  # its finish reason: the stream ends
+                        del self._sinks[message[1]]
+                    chunk = chunk_of(message)
                     posts.setdefault(sink[0], []).append((sink[1].put_nowait, chunk))
                 elif kind == "error":
                     _, serial, error, text = message
                     sink = self._sinks.pop(serial, None)
                     if sink is not None:
-                        exc = _ERRORS.get(error, EngineError)(text)
+                        exc = ERRORS.get(error, EngineError)(text)
                         posts.setdefault(sink[0], []).append((sink[1].put_nowait, exc))
                 elif kind in ("loaded", "health"):
                     reply = self._replies.pop(message[1], None)
                     if reply is not None:
                         loop, future, context = reply
                         posts.setdefault(loop, []).append(
-                            (_settler(future), self._answer(message, context))
+                            (settler(future), self._answer(message, context))
                         )
                 else:
                     log.warning("CPU engine: unknown message %r from the core", kind)
             if steps and self._step_out is not None:
                 loop, queue_ = self._step_out
                 posts.setdefault(loop, []).extend((queue_.put_nowait, s) for s in steps.build())
-        _post_all(posts)
+        post_all(posts)
 
     def _answer(self, message: list[Any], context: Any) -> Any:
         if message[0] == "health":
             return message[2], message[3]
         _, _, error, text = message
         if error is not None:
-            return _ERRORS.get(error, WeightLoadError)(text)
+            return ERRORS.get(error, WeightLoadError)(text)
         # The load is complete: from now on this engine reports the new weights.
         self._source, self._weight_version = context
         return None
@@ -465,114 +409,3 @@ class CpuEngine(InFlightEngine[_Stream]):
         with contextlib.suppress(OSError):
             self._proc.kill()
         self._proc.wait()
-
-
-def _spawn(
-    model_dir: str | Path, weight_version: int, threads: int
-) -> tuple[subprocess.Popen[bytes], int, int]:
-    """Start the core process; return it and this side's ends of its two pipes."""
-    to_core_r, to_core_w = os.pipe()
-    from_core_r, from_core_w = os.pipe()
-    env = dict(os.environ)
-    # The core imports this package: make that work from a source checkout as well.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.engines.cpu.process", "--model", str(model_dir),
-             "--weight-version", str(weight_version), "--threads", str(threads),
-             "--in-fd", str(to_core_r), "--out-fd", str(from_core_w)],
-            pass_fds=(to_core_r, from_core_w),
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )  # fmt: skip
-    except BaseException:
-        for fd in (to_core_r, to_core_w, from_core_r, from_core_w):
-            os.close(fd)
-        raise
-    # Only the child holds these now: its exit closes them, which is how each side notices
-    # the other is gone (EOF, EPIPE).
-    os.close(to_core_r)
-    os.close(from_core_w)
-    return proc, to_core_w, from_core_r
-
-
-class _StepBuilder:
-    """The messages of one read for requests added with ``add``, as ``Step``s: one per decode
-    round and weight version (normally one per read), the ends in the last."""
-
-    def __init__(self) -> None:
-        self.parts: list[tuple[str, Any, Any, Any, int]] = []  # rid, token, logprob, routes, v
-        self.ends: dict[str, End] = {}
-
-    def take(self, rid: str, message: list[Any]) -> bool:
-        """Add a chunk or error message of ``rid``; True if its stream ended with it."""
-        if message[0] == "error":
-            _, _, error, text = message
-            self.ends[rid] = End(error=_ERRORS.get(error, EngineError)(text))
-            return True
-        _, _, token, logprob, routes, finish, stop_reason, version = message
-        self.parts.append((rid, token, logprob, routes, version))
-        if finish is None:
-            return False
-        self.ends[rid] = End(finish_reason=FinishReason(finish), stop_reason=stop_reason)
-        return True
-
-    def __bool__(self) -> bool:
-        return bool(self.parts or self.ends)
-
-    def build(self) -> list[Step]:
-        runs: list[list[tuple[str, Any, Any, Any, int]]] = []
-        seen: set[str] = set()
-        for part in self.parts:
-            # A read may hold several decode rounds: a request appears once per step.
-            if not runs or runs[-1][-1][4] != part[4] or part[0] in seen:
-                runs.append([])
-                seen.clear()
-            runs[-1].append(part)
-            seen.add(part[0])
-        steps = [
-            Step(
-                request_ids=[p[0] for p in run],
-                token_ids=np.array([p[1] for p in run], dtype=np.int32),
-                logprobs=np.array([p[2] for p in run], dtype=np.float32),
-                routed_experts=(
-                    None if run[0][3] is None else np.concatenate([unpack_array(p[3]) for p in run])
-                ),
-                weight_version=run[0][4],
-            )
-            for run in runs
-        ]
-        if not steps:
-            return [Step.only_ends(self.ends)]
-        steps[-1] = dataclasses.replace(steps[-1], ends=self.ends)
-        return steps
-
-
-def _fresh(error: EngineError) -> EngineError:
-    """A new exception like `error`: one instance raised in many places grows one traceback."""
-    return type(error)(str(error))
-
-
-def _settler(future: asyncio.Future[Any]) -> Post:
-    def settle(result: Any) -> None:
-        if future.done():
-            return  # the awaiting task was cancelled; nobody wants the outcome
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
-
-    return settle
-
-
-def _post_all(posts: dict[asyncio.AbstractEventLoop, list[tuple[Post, Any]]]) -> None:
-    """Run each loop's callbacks on that loop, with one wake-up per loop."""
-    for loop, calls in posts.items():
-        # RuntimeError: the loop is closed, so whoever waited on this output is gone.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_run_calls, calls)
-
-
-def _run_calls(calls: list[tuple[Post, Any]]) -> None:
-    for fn, arg in calls:
-        fn(arg)

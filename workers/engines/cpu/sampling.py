@@ -93,3 +93,11 @@ def sample(
         probs = torch.softmax(work, dim=-1)
         token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(raw_logprobs[token])
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+    """The ``k`` most likely tokens of one position and their raw logprobs, most likely first:
+    vLLM's top-k for ``logprobs=k``, from the same raw distribution as ``sample``'s logprob
+    (before the min_tokens mask, temperature, top-k or top-p)."""
+    values, ids = torch.topk(torch.log_softmax(logits, dim=-1), min(k, logits.numel()))
+    return ids.tolist(), values.tolist()

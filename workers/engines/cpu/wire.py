@@ -3,7 +3,7 @@
 A frame is a 4-byte little-endian length and a msgpack array of messages; each message is an
 array whose first item names it. Several messages travel in one frame so that one decode round
 of the core (a token for every request in flight) costs one write and one wake-up on the other
-side. Arrays travel as `statemachine.codec.pack_array` triples (dtype, shape, bytes).
+side. Arrays travel as `statemachine.arrays.pack_array` triples (dtype, shape, bytes).
 
 Front end to core:
     ["add", serial, prompt_ids, sampling_dict, resumed_tokens]
@@ -14,7 +14,8 @@ Front end to core:
 Core to front end:
     ["ready", {"vocab_size", "max_positions", "pid"}]  first, once the model is loaded
     ["fatal", kind, message]                            instead of ready, then the core exits
-    ["chunk", serial, token_id, logprob, routes | None, finish | None, stop_reason, version]
+    ["chunk", serial, token_id, logprob, routes | None, finish | None, stop_reason, version,
+     top | None]                                         top: [[k ids], [k logprobs]] (logprobs=k)
     ["error", serial, kind, message]                    the request is over
     ["loaded", token, kind | None, message]             a load finished (kind None: it worked)
     ["health", token, requests_in_flight, weight_version]

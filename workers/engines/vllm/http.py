@@ -5,12 +5,13 @@ Servers: `python -m vllm.entrypoints.launchers.api_server.entry --model DIR
 with `VLLM_SERVER_DEV_MODE=1` (pause/resume, collective_rpc and reset_prefix_cache endpoints).
 
 Generation is token-in/token-out (`POST /inference/v1/generate`, streamed as server-sent
-events, `logprobs=0`: the raw logprob of each sampled token). Requests go to the least-loaded
-healthy server (`http_pool.ServerPool`). When a server dies mid-stream, the tokens already
-yielded stand and the rest is resubmitted as `prompt + tokens so far` (budgets reduced) to
-another server, within the retry budget: callers see one uninterrupted stream, exact for
-greedy decoding (invariant 3). When retries run out or no server is healthy the stream
-raises `EngineUnavailable`; a 4xx other than 429 raises `HttpStatusError` at once.
+events, `logprobs=0`: the raw logprob of each sampled token; with `logprobs=k` the server is
+asked for k + 1 and the top-k read from its lists, see `wire.top_k_of`). Requests go to the
+least-loaded healthy server (`http_pool.ServerPool`). When a server dies mid-stream, the
+tokens already yielded stand and the rest is resubmitted as `prompt + tokens so far` (budgets
+reduced) to another server, within the retry budget: callers see one uninterrupted stream,
+exact for greedy decoding (invariant 3). When retries run out or no server is healthy the
+stream raises `EngineUnavailable`; a 4xx other than 429 raises `HttpStatusError` at once.
 
 Weights: `load_weights` pauses every server (`mode=abort`), reloads in place through the
 worker extension, resets the prefix cache and resumes; interrupted streams resubmit under
@@ -162,6 +163,13 @@ class VllmHttpEngine(SwappingEngine[_Stream]):
         version tag.
         """
         prompt, sampling = continuation(stream.request, generated)
+        k = stream.request.sampling.logprobs
+        if k:
+            # One more than asked: the server cuts each position's list to `logprobs` entries
+            # with the sampled token first, which would push the k-th out whenever the sampled
+            # token ranks below k (wire.top_k_of). k = 20 needs servers run with
+            # --max-logprobs 21 (vLLM's default is 20; a server refuses more with a 400).
+            sampling["logprobs"] = k + 1
         if self._routed:
             sampling["routed_experts_prompt_start"] = len(prompt) - 1
         server = await self.pool.acquire()
@@ -185,7 +193,7 @@ class VllmHttpEngine(SwappingEngine[_Stream]):
                             raise RequestAborted(
                                 f"request {stream.request.request_id!r} was aborted"
                             )
-                        piece = None if event is None else decode_choice(event)
+                        piece = None if event is None else decode_choice(event, k)
                         if piece is None:
                             continue
                         running()  # registered and running: a pause will abort it now
@@ -217,8 +225,10 @@ class VllmHttpEngine(SwappingEngine[_Stream]):
                 return None, False
             ids, logprobs = join_tokens(held)
             routes = routes_for_tokens(held[-1].routed_experts, ids.size, self._expert_dtype)
+            top_ids, top_lps = _joined_tops(held)
         else:
             ids, logprobs, routes = piece.token_ids, piece.logprobs, None
+            top_ids, top_lps = piece.top_token_ids, piece.top_logprobs
         if ids.size == 0 and reason is None:
             return None, over
         chunk = Chunk(
@@ -232,6 +242,8 @@ class VllmHttpEngine(SwappingEngine[_Stream]):
                 else None
             ),
             weight_version=version,
+            top_token_ids=top_ids,
+            top_logprobs=top_lps,
         )
         return chunk, over
 
@@ -246,6 +258,8 @@ class VllmHttpEngine(SwappingEngine[_Stream]):
             finish_reason=None if last.finish_reason is None else str(last.finish_reason),
             stop_reason=last.stop_reason,
             routed_experts=joined.routed_experts,
+            top_token_ids=joined.top_token_ids,
+            top_logprobs=joined.top_logprobs,
         )
 
     # ---- abort ---------------------------------------------------------------------
@@ -322,3 +336,12 @@ class VllmHttpEngine(SwappingEngine[_Stream]):
             with contextlib.suppress(Exception):  # best effort on the way out
                 await self.abort(request_id)
         await self.pool.aclose()
+
+
+def _joined_tops(pieces: list[GenerateResult]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    if pieces[0].top_token_ids is None:
+        return None, None
+    return (
+        np.concatenate([p.top_token_ids for p in pieces]),
+        np.concatenate([p.top_logprobs for p in pieces]),
+    )

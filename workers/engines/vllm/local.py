@@ -1,7 +1,8 @@
 """The `vllm` engine: vLLM's AsyncLLM in this process, behind the Engine protocol.
 
 Token ids in (`TokensPrompt`), token ids out, streamed as DELTA outputs with the raw logprob
-of each sampled token (`logprobs=0`, vLLM's default `logprobs_mode="raw_logprobs"`).
+of each sampled token (`logprobs=0`, vLLM's default `logprobs_mode="raw_logprobs"`), and with
+`logprobs=k` vLLM's top-k of each position too (its flat logprobs: the sampled entry, then k).
 
 Weight updates keep in-flight requests going, as the protocol asks (`swap.py`, shared with
 the HTTP engine): `load_weights` pauses vLLM with `mode="abort"` (every running sub-request
@@ -53,6 +54,7 @@ from workers.engines.vllm.translate import (
     ABORT,
     continuation,
     finish_reason,
+    flat_top,
     routes_for_tokens,
     stop_reason,
 )
@@ -199,13 +201,14 @@ class VllmEngine(SteppingVllm):
             if interrupted and self._gate.current(epoch):
                 return  # an abort nobody asked of this engine: generate() raises
             reason = None if interrupted else finish_reason(completion.finish_reason)
+            k = stream.request.sampling.logprobs
             if self.options.routed_experts:
                 held.append(completion)
                 if reason is None and not interrupted:
                     continue
-                chunk = self._routed_chunk(held, reason, version)
+                chunk = self._routed_chunk(held, reason, version, k)
             else:
-                chunk = self._chunk(completion, reason, version)
+                chunk = self._chunk(completion, reason, version, k)
             if chunk is not None and reason is not None:
                 chunk = dataclasses.replace(
                     chunk,
@@ -218,7 +221,7 @@ class VllmEngine(SteppingVllm):
             if reason is not None or interrupted:
                 return
 
-    def _chunk(self, completion: Any, reason: Any, version: int) -> Chunk | None:
+    def _chunk(self, completion: Any, reason: Any, version: int, k: int) -> Chunk | None:
         ids = np.asarray(completion.token_ids, dtype=np.int32)
         if ids.size == 0 and reason is None:
             return None
@@ -228,9 +231,10 @@ class VllmEngine(SteppingVllm):
             finish_reason=reason,
             stop_reason=completion.stop_reason if reason is not None else None,
             weight_version=version,
+            **_tops([completion], k),
         )
 
-    def _routed_chunk(self, held: list[Any], reason: Any, version: int) -> Chunk | None:
+    def _routed_chunk(self, held: list[Any], reason: Any, version: int, k: int) -> Chunk | None:
         ids = np.asarray([t for c in held for t in c.token_ids], dtype=np.int32)
         if ids.size == 0 and reason is None:
             return None
@@ -244,6 +248,7 @@ class VllmEngine(SteppingVllm):
             finish_reason=reason,
             stop_reason=last.stop_reason if reason is not None else None,
             weight_version=version,
+            **_tops(held, k),
         )
 
     # ---- abort, weights, close -------------------------------------------------------
@@ -305,6 +310,17 @@ class VllmEngine(SteppingVllm):
         # Dropped now, while modules are intact: AsyncLLM.__del__ calls shutdown() again
         # and fails noisily when that happens at interpreter exit.
         self._llm = None
+
+
+def _tops(completions: list[Any], k: int) -> dict[str, Any]:
+    """A chunk's top-k arrays from vLLM's own outputs (``logprobs=k``), or nothing if k is 0."""
+    if not k:
+        return {}
+    tops = [flat_top(c.logprobs, len(c.token_ids), k) for c in completions]
+    return {
+        "top_token_ids": np.concatenate([ids for ids, _ in tops]),
+        "top_logprobs": np.concatenate([lps for _, lps in tops]),
+    }
 
 
 def _has_gpu() -> bool:

@@ -35,6 +35,7 @@ from workers.engines.vllm.swap import SubRequest, SwappingEngine
 from workers.engines.vllm.translate import (
     ABORT,
     finish_reason,
+    flat_top,
     routes_for_tokens,
     stop_reason,
 )
@@ -53,13 +54,14 @@ class SteppedRequest(SubRequest):
 class _Piece:
     """One request's tokens within a step being built."""
 
-    __slots__ = ("ids", "logprobs", "routes", "stream")
+    __slots__ = ("ids", "logprobs", "routes", "stream", "tops")
 
     def __init__(self, stream: SteppedRequest) -> None:
         self.stream = stream
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.routes: np.ndarray | None = None
+        self.tops: list[tuple[np.ndarray, np.ndarray]] = []  # [n, k] each (logprobs=k)
 
 
 class SteppingVllm(SwappingEngine[SubRequest]):
@@ -168,6 +170,7 @@ class SteppingVllm(SwappingEngine[SubRequest]):
         interrupted = completion.finish_reason == ABORT
         reason = None if interrupted else finish_reason(completion.finish_reason)
         ids = completion.token_ids
+        k = stream.request.sampling.logprobs
         if self._routed:
             stream.held.append(completion)
             if reason is None and not interrupted:
@@ -183,10 +186,15 @@ class SteppingVllm(SwappingEngine[SubRequest]):
                 for c in held:
                     piece.ids += c.token_ids
                     piece.logprobs += _sampled(c.logprobs, c.token_ids)
+                    if k:
+                        piece.tops.append(flat_top(c.logprobs, len(c.token_ids), k))
         elif ids:
             piece = self._piece(stream, pieces)
             piece.ids += ids
             piece.logprobs += _sampled(completion.logprobs, ids)
+            if k:
+                # Never a lean output: those are only installed for requests asking no top-k.
+                piece.tops.append(flat_top(completion.logprobs, len(ids), k))
         stream.generated += ids
         if interrupted:
             if self._gate.current(stream.epoch):
@@ -278,6 +286,7 @@ def _steps(pieces: dict[str, _Piece], ends: dict[str, End]) -> list[Step]:
                 counts=None if all(c == 1 for c in counts) else np.array(counts),
                 routed_experts=np.concatenate(routes) if routes else None,
                 weight_version=version,
+                **_tops(group),
             )
         )
     if not steps:
@@ -287,8 +296,29 @@ def _steps(pieces: dict[str, _Piece], ends: dict[str, End]) -> list[Step]:
         request_ids=last.request_ids, token_ids=last.token_ids, logprobs=last.logprobs,
         counts=last.counts, routed_experts=last.routed_experts,
         weight_version=last.weight_version, ends=ends,
+        top_token_ids=last.top_token_ids, top_logprobs=last.top_logprobs,
     )  # fmt: skip
     return steps
+
+
+def _tops(group: list[_Piece]) -> dict[str, Any]:
+    """A step's top-k arrays [T, K], K the widest k of its pieces (the rows of a narrower or
+    no request zero-padded, as ``Step`` allows); nothing when no piece asked for them."""
+    width = max((p.stream.request.sampling.logprobs for p in group), default=0)
+    if not width:
+        return {}
+    total = sum(len(p.ids) for p in group)
+    ids = np.zeros((total, width), dtype=np.int32)
+    lps = np.zeros((total, width), dtype=np.float32)
+    at = 0
+    for p in group:
+        for top_ids, top_lps in p.tops:
+            n, k = top_ids.shape
+            ids[at : at + n, :k], lps[at : at + n, :k] = top_ids, top_lps
+            at += n
+        if not p.tops:
+            at += len(p.ids)
+    return {"top_token_ids": ids, "top_logprobs": lps}
 
 
 def _is_engine_dead(exc: BaseException) -> bool:

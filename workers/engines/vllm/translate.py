@@ -48,9 +48,9 @@ def sampling_kwargs(params: SamplingParams, *, max_tokens: int, min_tokens: int)
         "stop": list(params.stop),
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
-        # 0 = the sampled token's logprob only; vLLM's default logprobs_mode is
-        # "raw_logprobs" (before temperature/top-k/top-p), the quantity Chunk promises.
-        "logprobs": 0,
+        # The sampled token's logprob, plus the top-k when asked (logprobs=k); vLLM's default
+        # logprobs_mode is "raw_logprobs" (before temperature/top-k/top-p), as Chunk promises.
+        "logprobs": params.logprobs,
     }
 
 
@@ -97,3 +97,30 @@ def routes_for_tokens(routed: Any, n_tokens: int, dtype: np.dtype) -> np.ndarray
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(dtype).max):
         raise EngineError(f"routed expert ids outside 0..{np.iinfo(dtype).max}")
     return arr.astype(dtype)
+
+
+def flat_top(logprobs: Any, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top-k ids and logprobs [n, k] of vLLM's ``FlatLogprobs`` for ``n`` positions.
+
+    With ``flat_logprobs=True`` each position holds k + 1 entries: the sampled token first,
+    then vLLM's top-k in rank order (``append_logprobs_for_next_position``). Outputs the
+    collector merged (a consumer that fell behind) went through ``FlatLogprobs.extend``, which
+    rebuilds each position as a dict: the sampled token's entry then stands once, first, even
+    when it is also one of the top-k. Such a position is read by rank (1 .. k)."""
+    starts, ends = logprobs.start_indices, logprobs.end_indices
+    if len(starts) != n:
+        raise EngineError(f"vLLM returned logprobs for {len(starts)} positions, not {n}")
+    ids = np.empty((n, k), dtype=np.int32)
+    lps = np.empty((n, k), dtype=np.float32)
+    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        if e - s == k + 1:
+            ids[i] = logprobs.token_ids[s + 1 : e]
+            lps[i] = logprobs.logprobs[s + 1 : e]
+            continue
+        by_rank = {logprobs.ranks[j]: j for j in range(s, e)}
+        if any(r not in by_rank for r in range(1, k + 1)):
+            raise EngineError(f"vLLM returned logprobs without the top-{k} of position {i}")
+        top = [by_rank[r] for r in range(1, k + 1)]
+        ids[i] = [logprobs.token_ids[j] for j in top]
+        lps[i] = [logprobs.logprobs[j] for j in top]
+    return ids, lps

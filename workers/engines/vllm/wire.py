@@ -50,6 +50,8 @@ class GenerateResult:
     finish_reason: str | None  # vLLM's string: "stop", "length", "abort", ...
     stop_reason: int | str | None
     routed_experts: np.ndarray | None = None
+    top_token_ids: np.ndarray | None = None  # int32 [n, k] when asked (``decode_choice``)
+    top_logprobs: np.ndarray | None = None  # float32 [n, k]
 
     @property
     def finish(self) -> FinishReason | None:
@@ -110,10 +112,12 @@ def parse_sse_line(line: bytes) -> dict[str, Any] | None:
     return event
 
 
-def decode_choice(event: dict[str, Any]) -> GenerateResult | None:
+def decode_choice(event: dict[str, Any], top: int = 0) -> GenerateResult | None:
     """The first choice of a response or stream event; None for a usage-only event.
 
-    Raises WireFormatError for malformed input, EngineError-compatible "error" events too.
+    ``top``: the top-k to read of each position (``top_logprobs``), for a request that asked
+    the server for more than k (``top_k_of``). Raises WireFormatError for malformed input,
+    EngineError-compatible "error" events too.
     """
     if not isinstance(event, dict):
         raise WireFormatError(f"event is not an object: {_describe(event)}")
@@ -136,13 +140,55 @@ def decode_choice(event: dict[str, Any]) -> GenerateResult | None:
     finish = choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
         raise WireFormatError("finish_reason must be a string or null")
+    top_ids, top_lps = top_k_of(choice.get("logprobs"), len(ids), top) if top else (None, None)
     return GenerateResult(
         token_ids=np.asarray(ids, dtype=np.int32),
         logprobs=logprobs,
         finish_reason=finish,
         stop_reason=stop,
         routed_experts=None if routed is None else decode_routed_experts(routed),
+        top_token_ids=top_ids,
+        top_logprobs=top_lps,
     )
+
+
+def top_k_of(logprobs: Any, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely tokens of each of ``n`` positions, most likely first, from
+    ``logprobs.content[i].top_logprobs``.
+
+    vLLM 0.32's server sends, per position, the first ``logprobs`` entries of its top map in
+    the engine's order: the sampled token first, then the top ranks without it
+    (``_create_tokens_logprobs``). Asked for k + 1 (``http.py``), those entries always hold the
+    true top-k whether or not the sampled token ranks within k; sorted by logprob (stable, so
+    rank order breaks ties), the first k are vLLM's top-k.
+    """
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or len(content) != n:
+        raise WireFormatError(f"expected {n} logprob entries, got {_describe(content)}")
+    ids = np.empty((n, k), dtype=np.int32)
+    lps = np.empty((n, k), dtype=np.float32)
+    for i, entry in enumerate(content):
+        tops = entry.get("top_logprobs") if isinstance(entry, dict) else None
+        if not isinstance(tops, list) or len(tops) < k:
+            raise WireFormatError(f"logprob entry {i} has no top-{k}: {_describe(tops)}")
+        pairs = [_candidate(i, t) for t in tops]
+        pairs.sort(key=lambda p: -p[1])
+        ids[i] = [t for t, _ in pairs[:k]]
+        with np.errstate(over="ignore"):
+            lps[i] = [v for _, v in pairs[:k]]
+    return ids, lps
+
+
+def _candidate(i: int, entry: Any) -> tuple[int, float]:
+    token = entry.get("token_id") if isinstance(entry, dict) else None
+    value = entry.get("logprob") if isinstance(entry, dict) else None
+    if not _is_token_id(token) or isinstance(value, bool) or not isinstance(value, int | float):
+        raise WireFormatError(f"logprob entry {i} has a malformed top candidate {_describe(entry)}")
+    try:
+        return int(token), float(value)  # type: ignore[arg-type]
+    except OverflowError as exc:
+        # An int beyond the float range: no log-probability is that large.
+        raise WireFormatError(f"logprob entry {i} has a top logprob out of range") from exc
 
 
 def _is_token_id(value: Any) -> bool:

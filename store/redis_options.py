@@ -1,0 +1,66 @@
+"""The Redis options every subcommand shares, and the worker's check that Redis lets it in.
+
+The URL (and its password) is best kept off the command line, where `ps` shows it to every
+user: ``--redis-url-file`` reads it from a file (e.g. a mounted Kubernetes secret) and
+``$ROLLOUTS_REDIS_URL`` from the environment. ``--redis`` still wins when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from redis.exceptions import AuthenticationError, AuthorizationError, RedisError, ResponseError
+
+from store.connection import URL_ENV, connect_sync, redact, resolve_url
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, otherwise: str, use_env: bool = True) -> None:
+    """``--redis`` and ``--redis-url-file``; ``otherwise`` says what happens with neither.
+    ``use_env``: whether ``$ROLLOUTS_REDIS_URL`` counts (not for the demo, which must not
+    write into a deployment's Redis just because the variable is set in the shell)."""
+    env = f"else ${URL_ENV}, " if use_env else ""
+    parser.add_argument(
+        "--redis",
+        metavar="URL",
+        help=f"Redis URL (default: from --redis-url-file, {env}else {otherwise}). "
+        "A password given here is visible in `ps`: prefer the file"
+        + (" or the variable" if use_env else ""),
+    )
+    parser.add_argument(
+        "--redis-url-file",
+        metavar="PATH",
+        help="file holding the Redis URL, e.g. a mounted Kubernetes secret (default: none)",
+    )
+
+
+def resolve(args: argparse.Namespace, *, use_env: bool = True) -> str | None:
+    """The URL from the flag, the file or (``use_env``) the environment; None if none does."""
+    return resolve_url(args.redis, args.redis_url_file, None if use_env else {}, default=None)
+
+
+def check(url: str) -> str | None:
+    """Ping Redis with the worker's own client settings. None when it answers; otherwise one
+    line saying why not, without the password. Refused credentials fail at once; an
+    unreachable server after the client's usual retries (about 15 s).
+
+    The line quotes redis-py's message, which names host and port, never the URL or its
+    password (read in redis/connection.py: parse_url, _error_message); the URL is redacted."""
+    try:
+        client = connect_sync(url)
+    except ValueError as exc:
+        # redis-py refuses the URL itself (its scheme, port or database number).
+        return f"invalid Redis URL {redact(url)}: {exc}"
+    try:
+        client.ping()
+    except AuthenticationError as exc:
+        # WRONGPASS, or NOAUTH when the URL has no password.
+        return f"Redis authentication failed at {redact(url)}: {exc}"
+    except (AuthorizationError, ResponseError) as exc:
+        # An ACL user without PING, or a database number the server does not have.
+        return f"Redis at {redact(url)} refused the worker: {exc}"
+    except (RedisError, OSError) as exc:
+        # Down, unreachable or timing out through every retry.
+        return f"cannot reach Redis at {redact(url)}: {exc}"
+    finally:
+        client.close()
+    return None
