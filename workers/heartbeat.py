@@ -80,8 +80,17 @@ async def heartbeat(worker: Beating, rq: RqBridge, leases: Leases, stop: asyncio
     rq_s = min(defaults.RQ_HEARTBEAT_S, worker.config.rq_execution_ttl_s / 3)
     rq_every = max(1, round(rq_s / worker.config.heartbeat_s))
     rq_beat: asyncio.Task[None] | None = None
+    last: float | None = None
     while not stop.is_set():
         sent = time.monotonic()
+        if last is not None and sent - last > worker.config.lease_ttl_s / 2:
+            # The loop was held up (a long step on it, a paused process, an overloaded host):
+            # said, because the leases may lapse and a reaper take the rollouts over.
+            log.warning(
+                "heartbeat late: %.1f s since the last (every %.2f s; leases last %.1f s)",
+                sent - last, worker.config.heartbeat_s, worker.config.lease_ttl_s,
+            )  # fmt: skip
+        last = sent
         try:
             # Every lease this worker holds, renewed in one command; it reads Redis's clock,
             # which stamps the stats heartbeat below (host clocks may disagree).

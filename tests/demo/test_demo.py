@@ -41,6 +41,8 @@ def test_rollouts_demo_json(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)  # the whole stdout is one JSON object
+    assert report["notes"], report  # what the loop did, in the order it did it
+    print(json.dumps(report, indent=1))  # shown with a failure below
     assert report["mismatches"] == 0
     assert report["rollouts_submitted"] == report["rollouts_done"] == 96
     assert report["weight_updates"] == 2

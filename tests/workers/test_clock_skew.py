@@ -174,7 +174,10 @@ async def _run_two_workers(
                 runs_by_worker[e.worker_id] = runs_by_worker.get(e.worker_id, 0) + 1
                 clock_off.setdefault(e.worker_id, []).append(events[-1].at - redis_s)
     aborts = sum(1 for b in interrupted.values() for x in b if x.startswith("Aborted"))
-    assert not interrupted, f"{aborts} takeovers of {len(interrupted)} rollouts: {interrupted}"
+    assert not interrupted, (
+        f"{aborts} takeovers of {len(interrupted)} rollouts: {interrupted}\n"
+        + _log_lines(tmp_path, ("heartbeat late", "heartbeat failed", "superseded"))
+    )
     assert [r.status for r in results] == [Status.DONE] * ROLLOUTS
     for result, (ref, _) in zip(results, refs, strict=True):
         np.testing.assert_array_equal(result.response_token_ids, ref)
@@ -186,6 +189,15 @@ async def _run_two_workers(
         seen = float(np.median(clock_off[worker]))
         assert abs(seen - off) < 2.0, f"{worker}'s clock off by {seen:.1f} s, not {off}"
     await client.aclose()
+
+
+def _log_lines(tmp_path: Path, marks: tuple[str, ...]) -> str:
+    """The workers' log lines that say why a lease lapsed, if one says."""
+    out = []
+    for log in ("true.log", "skewed.log"):
+        lines = (tmp_path / log).read_text(errors="replace").splitlines()
+        out += [f"{log}: {line}" for line in lines if any(m in line for m in marks)][:20]
+    return "\n".join(out)
 
 
 def _brief(e: Aborted | Failed | Resumed) -> str:

@@ -67,3 +67,32 @@ async def test_leases_are_renewed_while_rqs_bookkeeping_is_held_up(
     assert result.status.value == "done"
     # Renewed every 0.25 s throughout: never less than a TTL minus a beat or two left.
     assert min(lowest) > 1000, min(lowest)
+
+
+async def test_a_held_up_loop_is_said_in_the_log(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A beat that comes more than half a lease TTL after the last is logged with its gap: the
+    leases may lapse then, and the log says why a reaper took the rollouts over."""
+    client = RolloutClient(server.url)
+    (rid,) = await client.submit([f.request(300)])  # ~3 s at 10 ms a token
+    config = WorkerConfig(redis_url=server.url, burst=True, max_concurrency=1,
+                          lease_ttl_s=2.0, heartbeat_s=0.25)  # fmt: skip
+    worker = asyncio.create_task(
+        Worker(config, SyntheticEngine(tokens_per_chunk=1, token_delay_s=0.01)).run()
+    )
+    try:
+        while (await client.store.load(rid)).num_tokens == 0:
+            await asyncio.sleep(0.05)
+        with caplog.at_level("WARNING", logger="rollouts.worker"):
+            time.sleep(1.5)  # the worker's loop (this one) held up, as by a long step on it
+            await worker
+        [result] = await client.wait([rid], timeout=10)
+    finally:
+        if not worker.done():
+            worker.cancel()
+        await client.aclose()
+    late = [r.getMessage() for r in caplog.records if "heartbeat late" in r.getMessage()]
+    assert len(late) == 1, late  # once: the beats after it are on time
+    assert late[0].startswith("heartbeat late: 1.") and "leases last 2.0 s" in late[0], late
+    assert result.status.value == "done" and result.aborts == 0  # 1.5 s < the TTL: kept

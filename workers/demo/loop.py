@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,15 +34,17 @@ PROMPTS = [
 
 # Tokens a rollout must have saved on the worker before it is killed: a kill mid-generation.
 KILL_AFTER_TOKENS = 8
-# ... and at least this many left by its snapshot. The snapshot lags the engine by up to a
-# checkpoint (the demo's workers save every 8 tokens), so 16 leaves 8 or more really to go:
-# with 8, a rollout seen at 16 of 24 had at times made its last tokens already, and the kill
-# interrupted nothing (no worker_lost abort; twice in fresh-clone CI runs).
-KILL_BEFORE_END_TOKENS = 16
-# How often it looks: a 24-token rollout is in that window (8 tokens saved, 16 to go: from
-# its 8th token to its 16th) for ~8 engine steps, well under 0.1 s; at 0.1 s a loaded
-# machine's run once missed every rollout of the step. 32 snapshots read every 20 ms cost
-# the demo nothing it shows.
+# ... and at least this many left by its snapshot, so that the kill interrupts it. The snapshot
+# lags the engine by up to a checkpoint (the demo's workers save every 8 tokens), so a rollout
+# seen with 8 to go has at times made them already. Not more than 8, though: a checkpoint
+# waits for its flush point (up to 20 ms, many tiny-model tokens), so the snapshots of a
+# 24-token rollout read 0, ~10, ~20, 24, and a window of exactly 8 saved and 16 to go was
+# never seen in one test run of three. The worker killed is the one with the most rollouts
+# in the window: the others it holds keep the kill mid-generation if one of them has ended.
+KILL_BEFORE_END_TOKENS = 8
+# How often it looks: a 24-token rollout is in the window for ~8 engine steps, well under
+# 0.1 s; at 0.1 s a loaded machine's run once missed every rollout of the step. 32 snapshots
+# read every 20 ms cost the demo nothing it shows.
 POLL_S = 0.02
 
 
@@ -139,7 +142,24 @@ async def trainer_loop(
             upcoming = await submit(step + 1)
         killer = None
         if step == cfg.kill_step:
-            killer = asyncio.create_task(_kill_when_generating(client, current, kill, progress))
+            # This step's rollouts or the next's: on a loaded machine this step's had all
+            # ended before it began (a fresh-clone CI run found nothing left to kill).
+            watched = [current] if upcoming == current else [current, upcoming]
+            killer = asyncio.create_task(_kill_when_generating(client, watched, kill, progress))
+        # The next weights are written meanwhile, so that they are published as soon as the
+        # step's last group is in, while the next step's rollouts generate: written after it
+        # (torch imported, a checkpoint copied), a loaded machine's update came too late to
+        # interrupt anything.
+        version = progress.weight_version + 1
+        following = (
+            asyncio.create_task(
+                asyncio.to_thread(
+                    perturb, weights[version - 1], weights_dir / f"v{version}", version
+                )
+            )
+            if step + 1 < cfg.steps
+            else None
+        )
         async for group in client.groups(current, timeout=600):
             results.extend(group.results)
             progress.consumed += len(group.results)
@@ -148,11 +168,9 @@ async def trainer_loop(
             await client.ack([r.rollout_id for r in group.results])
         if killer is not None:
             await killer
-        if step + 1 < cfg.steps:
-            version = progress.weight_version + 1
-            path = perturb(weights[version - 1], weights_dir / f"v{version}", seed=version)
-            weights[version] = path
-            await client.publish_weights(version, str(path))
+        if following is not None:
+            weights[version] = await following
+            await client.publish_weights(version, str(weights[version]))
             progress.weight_version = version
             progress.weight_updates += 1
             progress.note(f"step {step + 1}: published weights v{version}")
@@ -160,30 +178,36 @@ async def trainer_loop(
 
 
 async def _kill_when_generating(
-    client: RolloutClient, batch_id: str, kill: Callable[[set[str]], str], progress: Progress
+    client: RolloutClient,
+    batch_ids: list[str],
+    kill: Callable[[set[str]], str],
+    progress: Progress,
 ) -> None:
-    info = await client.batch(batch_id)
+    ids = [i for b in batch_ids for i in (await client.batch(b)).ids]
     while True:
         # One read for all (the kill follows it at once); one acknowledged meanwhile is
         # deleted: it ended, so it is not generating.
         states = []
-        for s in await client.store.load_many(info.ids):
+        for s in await client.store.load_many(ids):
             if isinstance(s, RolloutNotFound):
                 continue
             if isinstance(s, Exception):
                 raise s
             states.append(s)
-        # Far enough from its end too (KILL_BEFORE_END_TOKENS).
-        busy = {
+        busy = Counter(
             s.worker_id
             for s in states
             if s.status in (Status.GENERATING, Status.RESUMED)
             and s.worker_id is not None
             and s.num_tokens >= KILL_AFTER_TOKENS
             and s.remaining_tokens >= KILL_BEFORE_END_TOKENS
-        }
+            # An attempt on the latest weights: its worker is done with the update (the next
+            # waits for the kill). A worker still aborting its rollouts for the update held
+            # none when killed, and the kill interrupted nothing (no worker_lost abort).
+            and s.weight_version == progress.weight_version
+        )
         if busy:
-            name = kill(busy)
+            name = kill({busy.most_common(1)[0][0]})
             progress.worker_kills += 1
             progress.note(f"step {progress.step}: SIGKILLed {name} mid-generation")
             return

@@ -254,6 +254,8 @@ def _report(
         "rollouts_multi_version": sum(len(r.version_segments) > 1 for r in results),
         "segments_checked": checked,
         "mismatches": mismatches,
+        # What the loop did when (the kill, each update): the live display's lines, kept.
+        "notes": list(progress.notes),
     }
 
 
