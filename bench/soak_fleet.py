@@ -117,6 +117,12 @@ class Fleet(demo.Processes):
                 FAKETIME_NO_CACHE="1",
                 FAKETIME_DONT_FAKE_MONOTONIC="1",
                 DONT_FAKE_MONOTONIC="1",
+                # Off: on glibc >= 2.30 libfaketime 0.9.10's forced "monotonic fix" expires
+                # every timed wait on a monotonic condition variable at once, Python's GIL
+                # among them, and the process ran ~25x slower with two threads busy (its
+                # leases lapsed, its reconnects took seconds). tests/workers/test_clock_skew.py
+                # sets the same and tests it.
+                FAKETIME_FORCE_MONOTONIC_FIX="0",
                 PYTHONPATH=os.pathsep.join(path),
             )
         return env
