@@ -45,8 +45,7 @@ def token_ids(name: str, value: object) -> tuple[int, ...]:
         if not ints or (min(ints) >= 0 and max(ints) <= INT_MAX):
             return ints
     return tuple(
-        check_int(f"{name}[]", int(t) if isinstance(t, np.integer) else t, minimum=0)
-        for t in items
+        check_int(f"{name}[]", int(t) if isinstance(t, np.integer) else t, minimum=0) for t in items
     )
 
 

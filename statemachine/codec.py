@@ -20,6 +20,7 @@ import msgpack
 
 # pack_array/unpack_array live with the dtypes they allow (arrays.py).
 from statemachine.arrays import pack_array, unpack_array
+from statemachine.episode_codec import EPISODE_CODECS
 from statemachine.errors import (
     CorruptRecord,
     StateMachineError,
@@ -38,7 +39,6 @@ from statemachine.events import (
     Submitted,
     TokensAppended,
 )
-from statemachine.episode_codec import EPISODE_CODECS
 from statemachine.framing import EVENT_MAGIC, SNAPSHOT_MAGIC, frame, unframe, unpack
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest
 from statemachine.snapshot import (
@@ -329,5 +329,3 @@ def _upcast(name: str, version: int, current: int, fields: Fields, rid: Any, seq
             )
         fields, version = step(fields), version + 1
     return fields
-
-

@@ -123,8 +123,7 @@ def _named_stop_strings(value: object) -> tuple[str, ...]:
         return stop_strings(value) if value else ()
     except InvalidRequest:
         raise InvalidRequest(
-            f"tool_call_stop_strings must be a string or a list of non-empty strings, "
-            f"got {value!r}"
+            f"tool_call_stop_strings must be a string or a list of non-empty strings, got {value!r}"
         ) from None
 
 

@@ -69,7 +69,8 @@ def _lost(e: ToolCallLost) -> Fields:
 
 
 # name -> (class, current schema version, to fields, from fields), as in ``codec.REGISTRY``.
-EPISODE_CODECS: dict[str, tuple[type[Event], int, Callable[[Any], Fields], Callable[[Fields], Fields]]] = {
+_Codec = tuple[type[Event], int, Callable[[Any], Fields], Callable[[Fields], Fields]]
+EPISODE_CODECS: dict[str, _Codec] = {
     "tool_call_requested": (ToolCallRequested, 1, _requested, dict),
     "tool_call_claimed": (ToolCallClaimed, 1, _claimed, dict),
     "tool_result_recorded": (ToolResultRecorded, 1, _result, _result_from),

@@ -181,4 +181,6 @@ def _enum(cls: Any, name: str, value: object) -> Any:
     try:
         return cls(value)
     except ValueError:
-        raise InvalidEvent(f"{name} must be one of {[v.value for v in cls]}, got {value!r}") from None
+        raise InvalidEvent(
+            f"{name} must be one of {[v.value for v in cls]}, got {value!r}"
+        ) from None

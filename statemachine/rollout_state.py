@@ -195,9 +195,7 @@ class RolloutState:
             end = start + call.offset - sampled
             spans.append((start, end))
             start, sampled = end + call.observation_tokens, call.offset
-        if self.num_tokens > sampled or (
-            self.status in LIVE or self.status is Status.ABORTED
-        ):
+        if self.num_tokens > sampled or (self.status in LIVE or self.status is Status.ABORTED):
             spans.append((start, start + self.num_tokens - sampled))
         return tuple(spans)
 

@@ -185,8 +185,13 @@ def _live_claim(s: RolloutState) -> int:
 def claimed(s: RolloutState, runner: str = "env1", **kw: Any) -> ToolCallClaimed:
     call = s.pending_call
     last = call.claims[-1].claim if call is not None and call.claims else 0
-    fields: dict[str, Any] = {"rollout_id": s.rollout_id, "seq": s.seq + 1,
-                              "call_id": _pending_id(s), "runner_id": runner, "claim": last + 1}  # fmt: skip
+    fields: dict[str, Any] = {
+        "rollout_id": s.rollout_id,
+        "seq": s.seq + 1,
+        "call_id": _pending_id(s),
+        "runner_id": runner,
+        "claim": last + 1,
+    }
     fields.update(kw)
     return ToolCallClaimed(**fields)
 
@@ -209,9 +214,14 @@ def result(s: RolloutState, n: int = 3, seconds: float = 0.5, **kw: Any) -> Tool
 def call_failed(
     s: RolloutState, failure: ToolFailure = ToolFailure.ENV_ERROR, **kw: Any
 ) -> ToolCallFailed:
-    fields: dict[str, Any] = {"rollout_id": s.rollout_id, "seq": s.seq + 1,
-                              "call_id": _pending_id(s), "claim": _live_claim(s),
-                              "failure": failure, "error": "sandbox timed out"}  # fmt: skip
+    fields: dict[str, Any] = {
+        "rollout_id": s.rollout_id,
+        "seq": s.seq + 1,
+        "call_id": _pending_id(s),
+        "claim": _live_claim(s),
+        "failure": failure,
+        "error": "sandbox timed out",
+    }
     fields.update(kw)
     return ToolCallFailed(**fields)
 
@@ -223,9 +233,14 @@ def call_lost(s: RolloutState, **kw: Any) -> ToolCallLost:
         if call is not None and s.request.episode is not None
         else ToolEffect.RESTART
     )
-    fields: dict[str, Any] = {"rollout_id": s.rollout_id, "seq": s.seq + 1,
-                              "call_id": _pending_id(s), "claim": _live_claim(s),
-                              "decision": decision, "detail": "lease expired"}  # fmt: skip
+    fields: dict[str, Any] = {
+        "rollout_id": s.rollout_id,
+        "seq": s.seq + 1,
+        "call_id": _pending_id(s),
+        "claim": _live_claim(s),
+        "decision": decision,
+        "detail": "lease expired",
+    }
     fields.update(kw)
     return ToolCallLost(**fields)
 

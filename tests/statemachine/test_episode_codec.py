@@ -40,16 +40,39 @@ def _header(record: bytes) -> list:
 def test_a_plain_rollouts_records_are_byte_for_byte_what_they_were() -> None:
     # Written as the code before episodes wrote them: submitted v3, finished v1, failed v2.
     request = f.request().to_dict()
-    membership = {"batch_id": "", "group_index": 0, "sample_index": 0, "group_size": 1,
-                  "group_policy": "sample"}  # fmt: skip
+    membership = {
+        "batch_id": "",
+        "group_index": 0,
+        "sample_index": 0,
+        "group_size": 1,
+        "group_policy": "sample",
+    }
     olds = [
-        _forge(b"R", ["submitted", 3, "r", 1, 0.0, {"request": request, "admitted_version": 0,
-                                                    "queue": "rollouts", "membership": membership}]),
-        _forge(b"R", ["finished", 1, "r", 4, 0.0, {"attempt": 1, "finish_reason": "stop",
-                                                   "stop_reason": 2}]),
-        _forge(b"R", ["failed", 2, "r", 4, 0.0, {"error": "x", "attempts": 1,
-                                                 "failure": "engine_error"}]),
-    ]  # fmt: skip
+        _forge(
+            b"R",
+            [
+                "submitted",
+                3,
+                "r",
+                1,
+                0.0,
+                {
+                    "request": request,
+                    "admitted_version": 0,
+                    "queue": "rollouts",
+                    "membership": membership,
+                },
+            ],
+        ),
+        _forge(
+            b"R",
+            ["finished", 1, "r", 4, 0.0, {"attempt": 1, "finish_reason": "stop", "stop_reason": 2}],
+        ),
+        _forge(
+            b"R",
+            ["failed", 2, "r", 4, 0.0, {"error": "x", "attempts": 1, "failure": "engine_error"}],
+        ),
+    ]
     for old in olds:
         assert codec.encode(codec.decode(old)) == old
     sub = codec.decode(olds[0])
@@ -67,9 +90,13 @@ def test_episode_records_are_newer_versions_that_older_readers_refuse_as_newer()
     cases = [
         (sub, "submitted", 4, 3),
         (f.budget_finished(s, FinishReason.MAX_TURNS), "finished", 2, 1),
-        (Failed(rollout_id="r1", seq=5, error="x", attempts=1, failure=FailureClass.ENV_FATAL),
-         "failed", 3, 2),
-    ]  # fmt: skip
+        (
+            Failed(rollout_id="r1", seq=5, error="x", attempts=1, failure=FailureClass.ENV_FATAL),
+            "failed",
+            3,
+            2,
+        ),
+    ]
     for event, name, version, before in cases:
         record = codec.encode(event)
         assert _header(record)[:2] == [name, version]
@@ -86,8 +113,19 @@ def test_episode_records_are_newer_versions_that_older_readers_refuse_as_newer()
 def _episode_state() -> tuple[RolloutState, list]:
     events: list = [f.episode_submitted()]
     s = apply(None, events[0])
-    for make in (f.started, f.tokens, f.requested, f.claimed, f.call_lost, f.claimed, f.result,
-                 f.resumed, f.tokens, f.requested, f.claimed):  # fmt: skip
+    for make in (
+        f.started,
+        f.tokens,
+        f.requested,
+        f.claimed,
+        f.call_lost,
+        f.claimed,
+        f.result,
+        f.resumed,
+        f.tokens,
+        f.requested,
+        f.claimed,
+    ):
         events.append(make(s))
         s = apply(s, events[-1])
     return s, events
@@ -106,8 +144,9 @@ def test_an_episodes_snapshot_head_is_v5_and_decodes_with_its_tool_records() -> 
     # Without its tool records (a head-only read) it has no calls, and says so by being empty.
     assert codec.decode_snapshot(head, decoded[0]).calls == ()
     with pytest.raises(CorruptRecord, match="out of order"):
-        codec.decode_snapshot(head, decoded[0], chunks, [t for t in tools
-                                                         if not isinstance(t, ToolCallClaimed)][1:])  # fmt: skip
+        codec.decode_snapshot(
+            head, decoded[0], chunks, [t for t in tools if not isinstance(t, ToolCallClaimed)][1:]
+        )
 
 
 def test_a_v4_paused_head_and_a_v3_head_still_decode() -> None:

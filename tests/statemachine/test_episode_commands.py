@@ -26,6 +26,8 @@ from statemachine import (
     ToolResultRecorded,
     apply,
     commands,
+)
+from statemachine import (
     episode_commands as ec,
 )
 from statemachine.commands import NewTokens
@@ -69,11 +71,22 @@ def test_an_episode_built_by_commands_is_legal_and_numbered() -> None:
     assert [type(e) for e in events] == [TokensAppended, ToolCallRequested]
     req = events[1]
     assert isinstance(req, ToolCallRequested)
-    assert (req.call_id, req.offset, req.attempt, req.idempotency_key) == ("call-1", 4, 1, "r1/call-1")
+    assert (req.call_id, req.offset, req.attempt, req.idempotency_key) == (
+        "call-1",
+        4,
+        1,
+        "r1/call-1",
+    )
     s = _claimed(_all(s, events))
     assert s.status is Status.RUNNING_TOOL and s.calls[0].claims[0].claim == 1
-    [result] = ec.record_result(s, call_id="call-1", claim=1, observation_token_ids=[9, 9],
-                                seconds=0.1, env_revision="rev-1")  # fmt: skip
+    [result] = ec.record_result(
+        s,
+        call_id="call-1",
+        claim=1,
+        observation_token_ids=[9, 9],
+        seconds=0.1,
+        env_revision="rev-1",
+    )
     s = apply(s, result)
     [resumed] = commands.begin(s, **BEGIN)  # the next turn is a resume from the saved context
     s = apply(s, resumed)
@@ -124,17 +137,25 @@ def test_env_errors_are_retried_within_their_budget_and_env_fatal_ends_it() -> N
     s = _turn(_episode())
     for attempt in (1, 2):
         s = _claimed(s)
-        events = ec.fail_call(s, call_id="call-1", claim=attempt, failure=ToolFailure.ENV_ERROR,
-                              error="timeout", retries=2)  # fmt: skip
+        events = ec.fail_call(
+            s,
+            call_id="call-1",
+            claim=attempt,
+            failure=ToolFailure.ENV_ERROR,
+            error="timeout",
+            retries=2,
+        )
         assert [type(e) for e in events] == [ToolCallFailed]
         s = _all(s, events)
     s = _claimed(s)
-    events = ec.fail_call(s, call_id="call-1", claim=3, failure=ToolFailure.ENV_ERROR,
-                          error="timeout", retries=2)  # fmt: skip
+    events = ec.fail_call(
+        s, call_id="call-1", claim=3, failure=ToolFailure.ENV_ERROR, error="timeout", retries=2
+    )
     s2 = _all(s, events)
     assert s2.failure is FailureClass.ENV_ERROR and "failed 3 times" in (s2.error or "")
-    events = ec.fail_call(s, call_id="call-1", claim=3, failure=ToolFailure.ENV_FATAL,
-                          error="no such file", retries=2)  # fmt: skip
+    events = ec.fail_call(
+        s, call_id="call-1", claim=3, failure=ToolFailure.ENV_FATAL, error="no such file", retries=2
+    )
     s3 = _all(s, events)
     assert s3.status is Status.FAILED and s3.failure is FailureClass.ENV_FATAL
 
@@ -142,8 +163,9 @@ def test_env_errors_are_retried_within_their_budget_and_env_fatal_ends_it() -> N
 def test_max_turns_ends_the_episode_at_the_call_no_turn_could_use() -> None:
     s = _turn(_episode(max_turns=2))
     s = _claimed(s)
-    s = _all(s, ec.record_result(s, call_id="call-1", claim=1, observation_token_ids=[5],
-                                 seconds=0.1))  # fmt: skip
+    s = _all(
+        s, ec.record_result(s, call_id="call-1", claim=1, observation_token_ids=[5], seconds=0.1)
+    )
     s = _all(s, commands.begin(s, **BEGIN))
     events = ec.request_call(s, name="calc", arguments="{}", tokens=_tokens(2, 300))
     assert isinstance(events[-1], Finished) and events[-1].attempt == 0
@@ -155,15 +177,17 @@ def test_max_turns_ends_the_episode_at_the_call_no_turn_could_use() -> None:
 def test_tool_time_context_length_and_wall_time_end_the_episode_between_turns() -> None:
     # Tool time: the result that uses it up is recorded; the next call is not run.
     s = _claimed(_turn(_episode(max_tool_seconds=1.0)))
-    s = _all(s, ec.record_result(s, call_id="call-1", claim=1, observation_token_ids=[5],
-                                 seconds=1.25))  # fmt: skip
+    s = _all(
+        s, ec.record_result(s, call_id="call-1", claim=1, observation_token_ids=[5], seconds=1.25)
+    )
     assert s.status is Status.NEXT_TURN and s.tool_seconds == 1.25
     s = _turn(s, n=1)
     assert s.finish_reason is FinishReason.TOOL_TIME
     # The context: an observation that fills max_total_tokens is recorded, then it ends.
     s = _claimed(_turn(_episode(max_total_tokens=6)))
-    events = ec.record_result(s, call_id="call-1", claim=1, observation_token_ids=[5, 6, 7],
-                              seconds=0.1)  # fmt: skip
+    events = ec.record_result(
+        s, call_id="call-1", claim=1, observation_token_ids=[5, 6, 7], seconds=0.1
+    )
     assert [type(e) for e in events] == [ToolResultRecorded, Finished]
     s = _all(s, events)
     assert s.finish_reason is FinishReason.MAX_TOTAL_TOKENS and s.context_tokens == 7

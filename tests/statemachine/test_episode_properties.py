@@ -3,6 +3,7 @@ rebuilds exactly, through the codec too, with a loss mask aligned with its conte
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,20 @@ from statemachine.commands import NewTokens
 from statemachine.episode_events import TOOL_EVENTS
 from tests import factories as f
 
-OPS = ["begin", "tokens", "request", "claim", "result", "fail", "lose", "abort", "budget",
-       "finish", "cancel", "fail_rollout"]  # fmt: skip
+OPS = [
+    "begin",
+    "tokens",
+    "request",
+    "claim",
+    "result",
+    "fail",
+    "lose",
+    "abort",
+    "budget",
+    "finish",
+    "cancel",
+    "fail_rollout",
+]
 # What a caller would plausibly do in each state, so that histories grow long (many turns,
 # retries, lost runners); any command at all is drawn too, and must be refused or legal.
 PLAUSIBLE = {
@@ -58,8 +71,11 @@ def submission(draw: st.DrawFn) -> Submitted:
         max_wall_seconds=draw(st.none() | st.just(10.0)),
     )
     assert isinstance(spec, EpisodeSpec)
-    request = RolloutRequest(prompt_token_ids=(1, 2), episode=spec,
-                             sampling=SamplingParams(max_tokens=draw(st.integers(1, 60))))  # fmt: skip
+    request = RolloutRequest(
+        prompt_token_ids=(1, 2),
+        episode=spec,
+        sampling=SamplingParams(max_tokens=draw(st.integers(1, 60))),
+    )
     return Submitted(rollout_id="r", seq=1, at=0.0, request=request)
 
 
@@ -94,29 +110,48 @@ def command(draw: st.DrawFn, s: RolloutState) -> list[Event]:
     now = draw(st.sampled_from([None, None, None, None, None, 5.0, 15.0]))  # wall: 10 s
     maybe = (lambda: _tokens(draw, s)) if draw(st.booleans()) else (lambda: None)
     if op == "begin":
-        return commands.begin(s, worker_id="w", weight_version=draw(st.integers(0, 3)),
-                              weight_mode="abort", model="m")  # fmt: skip
+        return commands.begin(
+            s, worker_id="w", weight_version=draw(st.integers(0, 3)), weight_mode="abort", model="m"
+        )
     if op == "tokens":
         return [commands.checkpoint(s, _tokens(draw, s))]
     if op == "finish":
-        return commands.finish(s, draw(st.sampled_from([FinishReason.STOP, FinishReason.LENGTH])),
-                               tokens=maybe())  # fmt: skip
+        return commands.finish(
+            s, draw(st.sampled_from([FinishReason.STOP, FinishReason.LENGTH])), tokens=maybe()
+        )
     if op == "abort":
         return commands.abort(s, draw(st.sampled_from(list(AbortReason))), tokens=maybe())
     if op == "request":
         used = draw(st.sampled_from([None, None, None, "call-1"]))  # sometimes an id reused
-        return ec.request_call(s, name=draw(st.sampled_from(["calc", "edit", "send", "other"])),
-                               arguments="{}", call_id=used, tokens=maybe(), now=now)  # fmt: skip
+        return ec.request_call(
+            s,
+            name=draw(st.sampled_from(["calc", "edit", "send", "other"])),
+            arguments="{}",
+            call_id=used,
+            tokens=maybe(),
+            now=now,
+        )
     if op == "claim":
         return [ec.claim_call(s, draw(st.sampled_from(["e1", "e2"])))]
     if op == "result":
         obs = np.arange(draw(st.integers(0, 5)), dtype=np.int32) + 900
-        return ec.record_result(s, **_runner_view(draw, s), observation_token_ids=obs,
-                                seconds=draw(st.sampled_from([0.0, 0.25, 1.0])), now=now)  # fmt: skip
+        return ec.record_result(
+            s,
+            **_runner_view(draw, s),
+            observation_token_ids=obs,
+            seconds=draw(st.sampled_from([0.0, 0.25, 1.0])),
+            now=now,
+        )
     if op == "fail":
-        return ec.fail_call(s, **_runner_view(draw, s), failure=draw(st.sampled_from(ToolFailure)),
-                            error="e", retries=draw(st.integers(0, 2)),
-                            seconds=draw(st.sampled_from([0.0, 0.5])), now=now)  # fmt: skip
+        return ec.fail_call(
+            s,
+            **_runner_view(draw, s),
+            failure=draw(st.sampled_from(ToolFailure)),
+            error="e",
+            retries=draw(st.integers(0, 2)),
+            seconds=draw(st.sampled_from([0.0, 0.5])),
+            now=now,
+        )
     if op == "lose":
         return ec.lose_call(s, **_runner_view(draw, s), now=now)
     if op == "budget":
@@ -147,14 +182,15 @@ def check_invariants(s: RolloutState) -> None:
     assert ids.shape[0] == s.num_tokens + s.observation_tokens == s.context_tokens
     assert int(mask.sum()) == s.num_tokens
     assert ids[mask == 1].tolist() == s.token_ids.tolist()
-    observed = [t for c in s.calls if c.result is not None
-                for t in c.result.observation_token_ids.tolist()]  # fmt: skip
+    observed = [
+        t for c in s.calls if c.result is not None for t in c.result.observation_token_ids.tolist()
+    ]
     assert ids[mask == 0].tolist() == observed
     assert (versions[mask == 0] == -1).all() and (versions[mask == 1] >= 0).all()
     # Turns tile the sampled tokens: in order, disjoint, each span all sampled.
     spans = s.turns
     assert sum(end - start for start, end in spans) == s.num_tokens
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans))
     assert all(mask[start:end].all() for start, end in spans)
 
 
@@ -183,7 +219,8 @@ def test_any_command_sequence_keeps_a_legal_state_the_log_rebuilds(
         if budget is not None and any(isinstance(e, TokensAppended) for e in chain):
             assert state.context_tokens <= budget  # sampling never overruns the context
     # Shown by --hypothesis-show-statistics: how far the histories reach.
-    event(f"ends {state.status.value} ({state.finish_reason or state.failure}), {len(state.calls)} calls")
+    why = state.finish_reason or state.failure
+    event(f"ends {state.status.value} ({why}), {len(state.calls)} calls")
     assert fold(accepted) == state
     decoded = [codec.decode(codec.encode(e)) for e in accepted]
     assert decoded == accepted

@@ -15,6 +15,7 @@ from statemachine import (
     LIVE,
     TERMINAL,
     WAITING,
+    AttemptMismatch,
     BudgetExceeded,
     CallMismatch,
     ClaimEnd,
@@ -25,7 +26,6 @@ from statemachine import (
     IllegalTransition,
     NotAnEpisode,
     OffsetMismatch,
-    AttemptMismatch,
     RolloutState,
     Status,
     ToolEffect,
@@ -54,7 +54,7 @@ def refused(s: RolloutState, event: Event, error: type[TransitionError]) -> None
 
 
 def test_the_tool_states_sit_in_neither_live_nor_waiting() -> None:
-    assert AT_TOOL == {Status.AWAITING_TOOL, Status.RUNNING_TOOL}
+    assert {Status.AWAITING_TOOL, Status.RUNNING_TOOL} == AT_TOOL
     assert AT_TOOL.isdisjoint(LIVE | WAITING | TERMINAL)
     assert Status.NEXT_TURN in WAITING and Status.NEXT_TURN not in LIVE
 
@@ -64,7 +64,11 @@ def test_a_three_turn_episode_feeds_its_observations_between_its_turns() -> None
     assert s.status is Status.AWAITING_TOOL and s.live_attempt == 0
     call = s.pending_call
     assert call is not None and (call.call_id, call.offset, call.turn, call.live_claim) == (
-        "c1", 4, 0, 0)  # fmt: skip
+        "c1",
+        4,
+        0,
+        0,
+    )
     s = run(s, f.claimed)
     assert s.status is Status.RUNNING_TOOL and s.pending_call.live_claim == 1  # type: ignore[union-attr]
     s = run(s, lambda s: f.result(s, n=3, seconds=0.5))
@@ -77,12 +81,21 @@ def test_a_three_turn_episode_feeds_its_observations_between_its_turns() -> None
     assert s.status is Status.DONE and s.num_tokens == 9 and s.attempt == 3
     sampled = list(range(100, 109))
     assert s.context_token_ids.tolist() == [
-        *sampled[:4], 900, 901, 902, *sampled[4:6], 900, 901, *sampled[6:]]  # fmt: skip
+        *sampled[:4],
+        900,
+        901,
+        902,
+        *sampled[4:6],
+        900,
+        901,
+        *sampled[6:],
+    ]
     assert s.loss_mask.tolist() == [1] * 4 + [0] * 3 + [1] * 2 + [0] * 2 + [1] * 3
     assert s.context_weight_versions.tolist() == [0] * 4 + [-1] * 3 + [1] * 2 + [-1] * 2 + [2] * 3
     lps = s.context_logprobs
     assert (lps[s.loss_mask == 0] == 0).all() and lps[s.loss_mask == 1].tolist() == (
-        s.logprobs.tolist())  # fmt: skip
+        s.logprobs.tolist()
+    )
     assert s.turns == ((0, 4), (7, 9), (11, 14))
     assert (s.tool_seconds, s.observation_tokens, s.context_tokens) == (0.75, 5, 14)
     assert s.token_ids.tolist() == sampled  # sampled tokens only, offsets unchanged
@@ -114,7 +127,10 @@ def test_env_errors_and_lost_runners_leave_the_call_for_a_new_claim() -> None:
     s = run(s, lambda s: f.claimed(s, runner="env3"), f.result)
     [call] = s.calls
     assert [(c.claim, c.runner_id, c.end) for c in call.claims] == [
-        (1, "env1", ClaimEnd.FAILED), (2, "env2", ClaimEnd.LOST), (3, "env3", ClaimEnd.RESULT)]  # fmt: skip
+        (1, "env1", ClaimEnd.FAILED),
+        (2, "env2", ClaimEnd.LOST),
+        (3, "env3", ClaimEnd.RESULT),
+    ]
     assert call.claims[1].decision is ToolEffect.IDEMPOTENT and call.unverified == 1
     assert s.tool_seconds == 2.0  # 1.5 failing + 0.5 for the result
 
