@@ -8,6 +8,7 @@ from __future__ import annotations
 from statemachine import commands, episode_commands
 from statemachine.episode import EpisodeSpec, ToolEffect, ToolSpec
 from statemachine.episode_events import (
+    TOOL_EVENTS,
     ToolCallClaimed,
     ToolCallFailed,
     ToolCallLost,
@@ -74,6 +75,7 @@ __all__ = [
     "LIVE",
     "MAX_LOGPROBS",
     "TERMINAL",
+    "TOOL_EVENTS",
     "TRANSITIONS",
     "WAITING",
     "AbortReason",

@@ -227,6 +227,9 @@ class Aborted(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finished(Event):
+    """Generation ended for good. ``attempt`` is the attempt that ended it; 0 for an episode
+    ended between turns by a budget, when no attempt is running (its fence: none live)."""
+
     attempt: int
     finish_reason: FinishReason
     stop_reason: int | str | None = None
