@@ -7,12 +7,19 @@ call and its output (as the tokens the engine is fed) is recorded before the nex
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from statemachine.checks import check_float, check_int, stop_strings, token_ids
 from statemachine.errors import InvalidRequest
+
+DEFAULT_ENV_QUEUE = "default"
+MAX_ENV_QUEUE_LEN = 160
+# What store/keys.py allows in an id that names a key (its ID_CHARS, without the Unicode
+# spaces: a queue name is an operator's, ASCII in practice; the store checks it again).
+_ENV_QUEUE = re.compile(rf"[^{{}}:\s\x00-\x1f\x7f-\xa0]{{1,{MAX_ENV_QUEUE_LEN}}}")
 
 
 class ToolEffect(StrEnum):
@@ -55,7 +62,11 @@ class EpisodeSpec:
     of its own: ``max_turns`` generation turns; ``max_total_tokens`` sampled plus observation
     tokens (the context the episode grows, prompt excluded); ``max_tool_seconds`` summed over
     the calls' recorded run times; ``max_wall_seconds`` from submission. The request's
-    ``max_tokens`` stays the budget of sampled tokens over the whole episode."""
+    ``max_tokens`` stays the budget of sampled tokens over the whole episode.
+
+    ``env_queue`` names the environment queue its tool calls wait on: the runners that serve
+    that queue (a sandbox image, a set of tools) claim them. It names a Redis key, so it
+    follows the rules of a batch id (no braces, colons, whitespace or control characters)."""
 
     tool_call_stop_token_ids: tuple[int, ...] = ()
     tool_call_stop_strings: tuple[str, ...] = ()
@@ -65,6 +76,7 @@ class EpisodeSpec:
     max_total_tokens: int | None = None
     max_tool_seconds: float | None = None
     max_wall_seconds: float | None = None
+    env_queue: str = DEFAULT_ENV_QUEUE
 
     def __post_init__(self) -> None:
         ids = token_ids("tool_call_stop_token_ids", self.tool_call_stop_token_ids)
@@ -79,6 +91,7 @@ class EpisodeSpec:
                 "without one no turn can end at a tool call"
             )
         object.__setattr__(self, "tools", _tools(self.tools))
+        _check_env_queue(self.env_queue)
         for name in ("max_turns", "max_total_tokens"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
@@ -107,6 +120,7 @@ class EpisodeSpec:
             "max_total_tokens": self.max_total_tokens,
             "max_tool_seconds": self.max_tool_seconds,
             "max_wall_seconds": self.max_wall_seconds,
+            "env_queue": self.env_queue,
         }
 
     @classmethod
@@ -148,3 +162,11 @@ def _tools(value: object) -> tuple[ToolSpec, ...]:
         # Recovery looks a tool up by name: two declarations could disagree on its effect.
         raise InvalidRequest(f"tools declared twice: {duplicates}")
     return tuple(tools)
+
+
+def _check_env_queue(value: object) -> None:
+    if not isinstance(value, str) or _ENV_QUEUE.fullmatch(value) is None:
+        raise InvalidRequest(
+            f"env_queue must be 1-{MAX_ENV_QUEUE_LEN} characters without braces, colons, "
+            f"whitespace or control characters, got {value!r}"
+        )
