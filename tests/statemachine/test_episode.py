@@ -66,6 +66,12 @@ def test_a_tool_not_declared_is_treated_as_restart() -> None:
         ({"max_tool_seconds": float("inf")}, "max_tool_seconds"),
         ({"max_wall_seconds": -1.0}, "max_wall_seconds"),
         ({"max_wall_seconds": "60"}, "max_wall_seconds"),
+        ({"env_queue": ""}, "env_queue"),
+        ({"env_queue": "a b"}, "env_queue"),
+        ({"env_queue": "a:b"}, "env_queue"),
+        ({"env_queue": "{a}"}, "env_queue"),
+        ({"env_queue": "x" * 161}, "env_queue"),
+        ({"env_queue": 3}, "env_queue"),
     ],
 )
 def test_bad_episode_values_are_refused_by_name(kwargs: dict[str, Any], field: str) -> None:
@@ -88,3 +94,11 @@ def test_a_request_stores_its_episode_only_when_it_has_one() -> None:
         RolloutRequest.from_dict({**data, "episode": {**data["episode"], "turns": 3}})
     with pytest.raises(InvalidRequest, match="episode must be an EpisodeSpec"):
         RolloutRequest(prompt_token_ids=(1,), sampling=SamplingParams(max_tokens=1), episode={})  # type: ignore[arg-type]
+
+
+def test_env_queue_defaults_and_round_trips_and_old_dicts_read_as_default() -> None:
+    spec = EpisodeSpec(parser="p", env_queue="sandbox.v2")
+    assert EpisodeSpec.from_dict(spec.to_dict()) == spec
+    # A spec stored before the field existed has no key: it reads as the default queue.
+    old = {k: v for k, v in spec.to_dict().items() if k != "env_queue"}
+    assert EpisodeSpec.from_dict(old).env_queue == "default"
