@@ -5,16 +5,29 @@ Imports only the standard library, numpy and msgpack; no I/O happens here.
 
 from __future__ import annotations
 
-from statemachine import commands
+from statemachine import commands, episode_commands
+from statemachine.episode import EpisodeSpec, ToolEffect, ToolSpec
+from statemachine.episode_events import (
+    TOOL_EVENTS,
+    ToolCallClaimed,
+    ToolCallFailed,
+    ToolCallLost,
+    ToolCallRequested,
+    ToolResultRecorded,
+)
 from statemachine.errors import (
     AttemptMismatch,
     BudgetExceeded,
+    CallMismatch,
+    ClaimMismatch,
     CodecError,
     CorruptRecord,
+    DecisionMismatch,
     IllegalTransition,
     InvalidEvent,
     InvalidRequest,
     ModelMismatch,
+    NotAnEpisode,
     OffsetMismatch,
     SequenceGap,
     StateMachineError,
@@ -34,11 +47,13 @@ from statemachine.events import (
     Started,
     Submitted,
     TokensAppended,
-    fence_of,
 )
+from statemachine.fences import fence_of
 from statemachine.request import DEFAULT_QUEUE, MAX_LOGPROBS, RolloutRequest, SamplingParams
 from statemachine.rollout_state import RolloutState
 from statemachine.status import (
+    AT_TOOL,
+    EPISODE_FINISH,
     LIVE,
     TERMINAL,
     WAITING,
@@ -47,24 +62,35 @@ from statemachine.status import (
     FinishReason,
     GroupPolicy,
     Status,
+    ToolFailure,
 )
+from statemachine.tool_calls import Claim, ClaimEnd, ToolCall
 from statemachine.transitions import EVENT_TYPES, TRANSITIONS, apply, fold
 
 __all__ = [
+    "AT_TOOL",
     "DEFAULT_QUEUE",
+    "EPISODE_FINISH",
     "EVENT_TYPES",
     "LIVE",
     "MAX_LOGPROBS",
     "TERMINAL",
+    "TOOL_EVENTS",
     "TRANSITIONS",
     "WAITING",
     "AbortReason",
     "Aborted",
     "AttemptMismatch",
     "BudgetExceeded",
+    "CallMismatch",
     "Cancelled",
+    "Claim",
+    "ClaimEnd",
+    "ClaimMismatch",
     "CodecError",
     "CorruptRecord",
+    "DecisionMismatch",
+    "EpisodeSpec",
     "Event",
     "Failed",
     "FailureClass",
@@ -76,6 +102,7 @@ __all__ = [
     "InvalidRequest",
     "Membership",
     "ModelMismatch",
+    "NotAnEpisode",
     "OffsetMismatch",
     "Resumed",
     "RolloutRequest",
@@ -87,12 +114,22 @@ __all__ = [
     "Status",
     "Submitted",
     "TokensAppended",
+    "ToolCall",
+    "ToolCallClaimed",
+    "ToolCallFailed",
+    "ToolCallLost",
+    "ToolCallRequested",
+    "ToolEffect",
+    "ToolFailure",
+    "ToolResultRecorded",
+    "ToolSpec",
     "TopLogprobsMismatch",
     "TransitionError",
     "UnknownEventType",
     "UnsupportedSchema",
     "apply",
     "commands",
+    "episode_commands",
     "fence_of",
     "fold",
 ]

@@ -2,13 +2,13 @@
 
 Record layout (bytes)::
 
-    b"R" | crc32(body) as 4 bytes little-endian | body
+    b"R" | crc32(body) as 4 bytes little-endian | body          (framing.py)
     body = msgpack [type_name, schema_version, rollout_id, seq, at, {field: value}]
 
-Arrays travel as ``[dtype, shape, raw little-endian bytes]``, never as nested lists. The CRC
-is there so that damaged bytes are always refused: msgpack alone would happily decode a flipped
-bit inside a token id as another token id. Old schema versions are upcast by small named
-functions registered in ``UPCASTERS`` before the event is built.
+Arrays travel as ``[dtype, shape, raw little-endian bytes]``, never as nested lists. Old
+schema versions are upcast by small named functions registered in ``UPCASTERS`` before the
+event is built. An episode's tool-call events have their codecs in ``episode_codec``, in the
+same ``REGISTRY``; snapshot heads are in ``snapshot`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -18,17 +18,9 @@ from typing import Any
 
 import msgpack
 
-try:
-    # zlib-ng's CRC-32 is zlib's (same polynomial, same values: records written either way read
-    # either way) at ~15x the speed: 0.36 vs 5.3 us for a 13 KB chunk, measured. Every chunk is
-    # checksummed once when written and once per read. zlib stays the fallback for a platform
-    # without a zlib-ng wheel.
-    from zlib_ng.zlib_ng import crc32
-except ImportError:  # pragma: no cover
-    from zlib import crc32
-
 # pack_array/unpack_array live with the dtypes they allow (arrays.py).
 from statemachine.arrays import pack_array, unpack_array
+from statemachine.episode_codec import EPISODE_CODECS
 from statemachine.errors import (
     CorruptRecord,
     StateMachineError,
@@ -47,19 +39,29 @@ from statemachine.events import (
     Submitted,
     TokensAppended,
 )
+from statemachine.framing import EVENT_MAGIC, SNAPSHOT_MAGIC, frame, unframe, unpack
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest
-from statemachine.rollout_state import RolloutState
-from statemachine.status import AbortReason, FailureClass, FinishReason, Status
+from statemachine.snapshot import (
+    SNAPSHOT_SCHEMA,
+    decode_snapshot,
+    encode_snapshot,
+    legacy_failure,
+    snapshot_status,
+)
+from statemachine.status import EPISODE_FINISH, AbortReason, FailureClass, FinishReason
 
-EVENT_MAGIC = b"R"
-SNAPSHOT_MAGIC = b"S"
-# v2 appends the model of the rollout's attempts; a v1 head decodes with model "" (unknown).
-# v3 appends the failure class of a failed rollout; a v2 head infers it (``_legacy_failure``).
-# v4 is v3's layout, written only for a head whose abort reason is ``paused`` (``encode_snapshot``):
-# code that predates the reason refuses such a head as newer (``UnsupportedSchema``, left to a
-# newer worker) instead of calling it corrupt; every other head is still written as v3.
-SNAPSHOT_SCHEMA = 4
-_SNAPSHOT_READ = frozenset({3, 4})
+__all__ = [
+    "EVENT_MAGIC",
+    "REGISTRY",
+    "SNAPSHOT_MAGIC",
+    "SNAPSHOT_SCHEMA",
+    "UPCASTERS",
+    "decode",
+    "decode_snapshot",
+    "encode",
+    "encode_snapshot",
+    "snapshot_status",
+]
 
 Fields = dict[str, Any]
 
@@ -127,7 +129,7 @@ _Codec = tuple[type[Event], int, Callable[[Any], Fields], Callable[[Fields], Fie
 REGISTRY: dict[str, _Codec] = {
     "submitted": (
         Submitted,
-        3,
+        4,
         lambda e: {
             "request": e.request.to_dict(),
             "admitted_version": e.admitted_version,
@@ -152,7 +154,7 @@ REGISTRY: dict[str, _Codec] = {
     ),
     "finished": (
         Finished,
-        1,
+        2,
         lambda e: {
             "attempt": e.attempt,
             "finish_reason": e.finish_reason.value,
@@ -162,11 +164,12 @@ REGISTRY: dict[str, _Codec] = {
     ),
     "failed": (
         Failed,
-        2,
+        3,
         lambda e: {"error": e.error, "attempts": e.attempts, "failure": e.failure.value},
         lambda f: {**f, "failure": FailureClass(f["failure"])},
     ),
     "cancelled": (Cancelled, 1, lambda e: {"reason": e.reason}, dict),
+    **EPISODE_CODECS,
 }
 _NAME_OF: dict[type[Event], str] = {cls: name for name, (cls, *_rest) in REGISTRY.items()}
 
@@ -209,18 +212,32 @@ def _no_batch(f: Fields) -> Fields:
     return {**f, "membership": Membership().to_dict()}
 
 
-def _legacy_failure(error: str | None) -> FailureClass:
-    """The failure class of a failure recorded before classes were: the worker wrote
-    "unreadable record: ..." for records it could not decode; every other failure then was a
-    rollout that used up its engine-error budget."""
-    if (error or "").startswith("unreadable record"):
-        return FailureClass.UNREADABLE
-    return FailureClass.ENGINE_ERROR
+def _submitted_version(e: Submitted) -> int:
+    """v4 (its request may carry an ``episode``) only for an episode: a plain rollout's record
+    is byte for byte what it was, and code that predates episodes refuses an episode's record
+    as newer instead of running it as a plain rollout."""
+    return 3 if e.request.episode is None else 4
+
+
+def _finished_version(e: Finished) -> int:
+    """v2 (it adds the episode budget reasons) only for those reasons, as ``_aborted_version``."""
+    return 2 if e.finish_reason in EPISODE_FINISH else 1
+
+
+# The failure classes that end an episode at a tool call (failed v3).
+_EPISODE_FAILURES = frozenset(
+    {FailureClass.ENV_FATAL, FailureClass.ENV_ERROR, FailureClass.EFFECT_UNVERIFIED}
+)
+
+
+def _failed_version(e: Failed) -> int:
+    """v3 (it adds the episode failure classes) only for those classes."""
+    return 3 if e.failure in _EPISODE_FAILURES else 2
 
 
 def _failure_classed(f: Fields) -> Fields:
     """failed v1 -> v2: the class was not recorded; inferred from the error text."""
-    return {**f, "failure": _legacy_failure(f.get("error")).value}
+    return {**f, "failure": legacy_failure(f.get("error")).value}
 
 
 # (type name, stored version) -> function turning those fields into the next version's fields.
@@ -233,11 +250,18 @@ UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {
     ("aborted", 1): _engine_dead_named,
     ("aborted", 2): dict,  # v3 adds a reason value, no field
     ("tokens_appended", 1): _no_top_logprobs,
+    # These versions add values (an optional request field, reasons, classes), no field:
+    ("submitted", 3): dict,
+    ("finished", 1): dict,
+    ("failed", 2): dict,
 }
 # Event types whose version depends on the event (the rest always write the current one).
 _VERSION_OF: dict[type[Event], Callable[[Any], int]] = {
     TokensAppended: _tokens_version,
     Aborted: _aborted_version,
+    Submitted: _submitted_version,
+    Finished: _finished_version,
+    Failed: _failed_version,
 }
 
 
@@ -254,15 +278,15 @@ def encode(event: Event) -> bytes:
         [name, version, event.rollout_id, event.seq, event.at, to_fields(event)],
         use_bin_type=True,
     )
-    return _frame(EVENT_MAGIC, body)
+    return frame(EVENT_MAGIC, body)
 
 
 def decode(record: bytes, *, rollout_id: str | None = None, seq: int | None = None) -> Event:
     """Decode one stored event. ``rollout_id``/``seq`` say where it was read from, for errors
     and to catch a record that is intact but stored under the wrong key or position."""
-    body = _unframe(EVENT_MAGIC, record, rollout_id, seq)
+    body = unframe(EVENT_MAGIC, record, rollout_id, seq)
     try:
-        name, version, rid, eseq, at, fields = _unpack(body)
+        name, version, rid, eseq, at, fields = unpack(body)
     except (TypeError, ValueError):
         # Intact checksum but not a 6-element list: written by something that is not us.
         raise CorruptRecord(
@@ -305,143 +329,3 @@ def _upcast(name: str, version: int, current: int, fields: Fields, rid: Any, seq
             )
         fields, version = step(fields), version + 1
     return fields
-
-
-# -- snapshots: the mutable scalars of a state. The request lives in the Submitted record and
-# the token data in the log's TokensAppended records, so nothing is stored twice and a
-# snapshot update stays a few dozen bytes however long the prompt or the rollout.
-
-
-def encode_snapshot(state: RolloutState) -> bytes:
-    body = msgpack.packb(
-        [
-            SNAPSHOT_SCHEMA if state.abort_reason is AbortReason.PAUSED else 3,
-            state.rollout_id,
-            state.seq,
-            state.status.value,
-            state.attempt,
-            state.worker_id,
-            state.weight_version,
-            state.num_tokens,
-            state.aborts,
-            None if state.abort_reason is None else state.abort_reason.value,
-            None if state.finish_reason is None else state.finish_reason.value,
-            state.stop_reason,
-            state.error,
-            state.model,
-            None if state.failure is None else state.failure.value,
-        ],
-        use_bin_type=True,
-    )
-    return _frame(SNAPSHOT_MAGIC, body)
-
-
-def decode_snapshot(
-    record: bytes,
-    submitted: Submitted,
-    chunks: tuple[TokensAppended, ...] = (),
-) -> RolloutState:
-    """The state a snapshot head describes, completed by the rollout's Submitted event and
-    (when the caller wants token data) its TokensAppended events."""
-    rollout_id = submitted.rollout_id
-    body = _unframe(SNAPSHOT_MAGIC, record, rollout_id, None)
-    try:
-        fields = _unpack(body)
-        if isinstance(fields, list) and len(fields) == 13 and fields[0] == 1:
-            fields = [2, *fields[1:], ""]  # v1 -> v2: the model was not recorded
-        if isinstance(fields, list) and len(fields) == 14 and fields[0] == 2:
-            # v2 -> v3: the failure class was not recorded.
-            legacy = _legacy_failure(fields[12]).value if fields[3] == "failed" else None
-            fields = [3, *fields[1:], legacy]
-        (
-            version,
-            rid,
-            seq,
-            status,
-            attempt,
-            worker_id,
-            weight_version,
-            num_tokens,
-            aborts,
-            abort_reason,
-            finish_reason,
-            stop_reason,
-            error,
-            model,
-            failure,
-        ) = fields
-    except (TypeError, ValueError):
-        # Wrong arity: the head was not written by this code.
-        raise CorruptRecord("bad snapshot layout", rollout_id=rollout_id) from None
-    if version not in _SNAPSHOT_READ:
-        raise UnsupportedSchema(f"snapshot schema v{version}", rollout_id=rollout_id, seq=seq)
-    if rid != rollout_id:
-        raise CorruptRecord(f"snapshot says rollout {rid!r}", rollout_id=rollout_id)
-    try:
-        return RolloutState(
-            rollout_id=rid,
-            seq=seq,
-            status=Status(status),
-            request=submitted.request,
-            submitted_at=submitted.at,
-            admitted_version=submitted.admitted_version,
-            queue=submitted.queue,
-            membership=submitted.membership,
-            model=model,
-            attempt=attempt,
-            worker_id=worker_id,
-            weight_version=weight_version,
-            num_tokens=num_tokens,
-            chunks=chunks,
-            aborts=aborts,
-            abort_reason=None if abort_reason is None else AbortReason(abort_reason),
-            finish_reason=None if finish_reason is None else FinishReason(finish_reason),
-            stop_reason=stop_reason,
-            error=error,
-            failure=None if failure is None else FailureClass(failure),
-        )
-    except ValueError as exc:
-        # An enum value this code does not know.
-        raise CorruptRecord(f"bad snapshot: {exc}", rollout_id=rollout_id, seq=seq) from None
-
-
-def snapshot_status(record: bytes, *, rollout_id: str | None = None) -> str:
-    """Just the status of a snapshot head, without building the state (for cheap polling)."""
-    body = _unframe(SNAPSHOT_MAGIC, record, rollout_id, None)
-    try:
-        status = _unpack(body)[3]
-        return Status(status).value
-    except (TypeError, ValueError, IndexError):
-        # Not a head this code wrote.
-        raise CorruptRecord("bad snapshot layout", rollout_id=rollout_id) from None
-
-
-# -- framing ------------------------------------------------------------------------------------
-
-
-def _frame(magic: bytes, body: bytes) -> bytes:
-    return magic + crc32(body).to_bytes(4, "little") + body
-
-
-def _unframe(magic: bytes, record: bytes, rollout_id: str | None, seq: int | None) -> bytes:
-    if not isinstance(record, bytes | bytearray | memoryview):
-        raise CorruptRecord(
-            f"record is {type(record).__name__}, not bytes", rollout_id=rollout_id, seq=seq
-        )
-    record = bytes(record)
-    if len(record) < 6 or record[:1] != magic:
-        raise CorruptRecord("truncated record or wrong magic byte", rollout_id=rollout_id, seq=seq)
-    body = record[5:]
-    if crc32(body) != int.from_bytes(record[1:5], "little"):
-        raise CorruptRecord(
-            "checksum mismatch: record damaged or truncated", rollout_id=rollout_id, seq=seq
-        )
-    return body
-
-
-def _unpack(body: bytes) -> Any:
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
-        # Checksum matched yet msgpack refuses it: the writer itself produced garbage.
-        raise ValueError(f"undecodable msgpack: {exc}") from None

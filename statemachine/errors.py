@@ -46,7 +46,26 @@ class ModelMismatch(TransitionError):
 
 
 class BudgetExceeded(TransitionError):
-    """Appended tokens would exceed the request's ``max_tokens``."""
+    """Appended tokens would exceed the request's ``max_tokens`` (or an episode's
+    ``max_total_tokens``), or an episode would begin a step its budgets leave no room for
+    (a turn beyond ``max_turns``, a claim once ``max_tool_seconds`` is used up)."""
+
+
+class NotAnEpisode(TransitionError):
+    """A tool-call event for a rollout whose request has no ``episode``."""
+
+
+class CallMismatch(TransitionError):
+    """A tool-call event names a call other than the pending one (or reuses a call's id)."""
+
+
+class ClaimMismatch(TransitionError):
+    """A runner's event names a claim that is not the live one: a zombie runner's late
+    result or failure, or a claim that skips a number. Claims are fenced as attempts are."""
+
+
+class DecisionMismatch(TransitionError):
+    """A lost call's recorded decision is not the effect its tool declared."""
 
 
 class TopLogprobsMismatch(TransitionError):

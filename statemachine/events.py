@@ -227,6 +227,9 @@ class Aborted(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finished(Event):
+    """Generation ended for good. ``attempt`` is the attempt that ended it; 0 for an episode
+    ended between turns by a budget, when no attempt is running (its fence: none live)."""
+
     attempt: int
     finish_reason: FinishReason
     stop_reason: int | str | None = None
@@ -259,23 +262,3 @@ def _same(a: npt.NDArray[Any] | None, b: npt.NDArray[Any] | None) -> bool:
     if a is None or b is None:
         return a is b
     return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
-
-
-# Events written by a worker inside one attempt: the store fences them on that attempt.
-ATTEMPT_SCOPED = (TokensAppended, Aborted, Finished)
-
-
-# Events that open an attempt: the store accepts them only while no attempt is live.
-ATTEMPT_OPENING = (Started, Resumed)
-
-
-def fence_of(event: Event) -> int | None:
-    """The attempt that must be live for this event to be accepted: its own for an
-    attempt-scoped event, none (0) for one that opens an attempt, so that no view of the
-    rollout, however it was computed, opens a second attempt over a live one; None for an
-    event the store does not fence."""
-    if isinstance(event, ATTEMPT_SCOPED):
-        return event.attempt
-    if isinstance(event, ATTEMPT_OPENING):
-        return 0
-    return None

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, fields
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
-
+from statemachine.checks import INT_MAX
+from statemachine.checks import check_float as _check_float
+from statemachine.checks import check_int as _check_int
+from statemachine.checks import stop_strings as _stop_strings
+from statemachine.checks import token_ids as _token_ids
+from statemachine.episode import EpisodeSpec
 from statemachine.errors import InvalidRequest
-
-# Largest int a request field may hold. msgpack could store up to 2**64 - 1, but no token id,
-# seed or token budget beyond int64 means anything, and numpy/torch/vLLM hold them as int64.
-INT_MAX = 2**63 - 1
 
 # Most top-k alternatives a request may ask per token (``SamplingParams.logprobs``): vLLM's
 # default ``max_logprobs``, so every engine serves any k a request may hold.
@@ -113,6 +112,9 @@ class RolloutRequest:
     # Do not start (or resume) this rollout once the weights are more than this many versions
     # ahead of the version it was admitted under; None: no bound.
     max_staleness: int | None = None
+    # Set for a multi-turn episode: how a turn ends at a tool call, the tools and the
+    # episode's budgets. None: a plain rollout, stored byte for byte as before episodes.
+    episode: EpisodeSpec | None = None
 
     def __post_init__(self) -> None:
         ids = _token_ids("prompt_token_ids", self.prompt_token_ids)
@@ -127,6 +129,8 @@ class RolloutRequest:
             _check_int("max_staleness", self.max_staleness, minimum=0)
         if not isinstance(self.metadata, dict):
             raise InvalidRequest("metadata must be a dict")
+        if self.episode is not None and not isinstance(self.episode, EpisodeSpec):
+            raise InvalidRequest("episode must be an EpisodeSpec")
         _check_metadata("metadata", self.metadata, 0)
         # As stored and read back: tuples become lists, so a retried submit compares equal.
         object.__setattr__(self, "metadata", _as_stored(self.metadata))
@@ -145,12 +149,16 @@ class RolloutRequest:
         return new
 
     def to_dict(self) -> dict[str, Any]:
+        # episode only when set: a plain rollout's record (and submit fingerprint) stays byte
+        # for byte what it was before episodes existed, as cap_to_context does.
+        episode = {} if self.episode is None else {"episode": self.episode.to_dict()}
         return {
             "prompt_token_ids": list(self.prompt_token_ids),
             "sampling": self.sampling.to_dict(),
             "group_id": self.group_id,
             "metadata": dict(self.metadata),
             "max_staleness": self.max_staleness,
+            **episode,
         }
 
     @classmethod
@@ -161,88 +169,26 @@ class RolloutRequest:
             "group_id",
             "metadata",
             "max_staleness",
+            "episode",
         }
         if unknown:
             raise InvalidRequest(f"unknown request field(s): {sorted(unknown)}")
         try:
             sampling = SamplingParams.from_dict(dict(data["sampling"]))
+            episode = data.get("episode")
             return cls(
                 prompt_token_ids=data["prompt_token_ids"],
                 sampling=sampling,
                 group_id=data.get("group_id"),
                 metadata=dict(data.get("metadata") or {}),
                 max_staleness=data.get("max_staleness"),
+                episode=None if episode is None else EpisodeSpec.from_dict(dict(episode)),
             )
         except KeyError as exc:
             raise InvalidRequest(f"request is missing {exc.args[0]!r}") from None
         except TypeError as exc:
             # A wrong container type (e.g. a number where a list belongs) surfaces here.
             raise InvalidRequest(f"malformed request: {exc}") from None
-
-
-def _stop_strings(value: object) -> tuple[str, ...]:
-    # vLLM takes `stop: str | list[str]`: a lone string is one stop string, never its letters.
-    strings = (value,) if isinstance(value, str) else value
-    if not isinstance(strings, list | tuple) or not all(isinstance(s, str) and s for s in strings):
-        raise InvalidRequest(f"stop must be a string or a list of non-empty strings, got {value!r}")
-    return tuple(strings)
-
-
-def _token_ids(name: str, value: object) -> tuple[int, ...]:
-    """Token ids as a tuple of plain ints. numpy integer scalars (a trainer's arrays) become
-    ints so msgpack can store them; numpy bools and floats are refused like Python's."""
-    # A string, bytes, a mapping or a set iterates, but into characters, byte values, keys or
-    # no defined order: never what a caller meant by token ids.
-    if isinstance(value, str | bytes | bytearray | memoryview | Mapping | Set):
-        raise InvalidRequest(f"{name} must be a list of ints, got {type(value).__name__}")
-    if not isinstance(value, Iterable):
-        # Not iterable at all: a bare int, None, a float.
-        raise InvalidRequest(f"{name} must be a list of ints, got {value!r}")
-    try:
-        items: tuple[object, ...] = tuple(value)
-    except TypeError:
-        # Iterable by type yet not by value: a 0-d numpy array.
-        raise InvalidRequest(f"{name} must be a list of ints, got {value!r}") from None
-    # The common case, checked in bulk (a submit checks millions of ids): plain ints in range.
-    if all(type(t) is int for t in items):
-        ints = cast(tuple[int, ...], items)
-        if not ints or (min(ints) >= 0 and max(ints) <= INT_MAX):
-            return ints
-    return tuple(
-        _check_int(f"{name}[]", int(t) if isinstance(t, np.integer) else t, minimum=0)
-        for t in items
-    )
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    # bool is an int subclass; True as a token id or a budget is always a caller bug.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise InvalidRequest(f"{name} must be >= {minimum}, got {value}")
-    if value > INT_MAX:
-        raise InvalidRequest(f"{name} must be < 2**63, got {value}")
-    return value
-
-
-def _check_float(
-    name: str, value: object, *, low: float, high: float | None, low_open: bool = False
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequest(f"{name} must be a number, got {value!r}")
-    try:
-        v = float(value)
-    except OverflowError:
-        # An int beyond the float range (10**400): as meaningless as inf.
-        v = math.inf
-    # An infinite temperature would be accepted by vLLM, yet it only samples uniform noise.
-    if not math.isfinite(v):
-        raise InvalidRequest(f"{name} must be finite, got {value!r}")
-    if (low_open and v <= low) or v < low or (high is not None and v > high):
-        bound = (
-            f"({low}, {high}]" if low_open else f"[{low}, {high if high is not None else 'inf'})"
-        )
-        raise InvalidRequest(f"{name} must be in {bound}, got {value!r}")
 
 
 def _check_metadata(where: str, value: object, depth: int) -> None:

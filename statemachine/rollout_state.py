@@ -13,6 +13,7 @@ from statemachine.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, conca
 from statemachine.events import Membership, TokensAppended
 from statemachine.request import DEFAULT_QUEUE, RolloutRequest, SamplingParams
 from statemachine.status import LIVE, TERMINAL, AbortReason, FailureClass, FinishReason, Status
+from statemachine.tool_calls import ToolCall
 
 # Frozen, so one instance may be every legacy state's default.
 _NO_BATCH = Membership()
@@ -35,6 +36,9 @@ class RolloutState:
     num_tokens: int = 0
     # The appended chunks themselves: one copy of the token data, shared with the events.
     chunks: tuple[TokensAppended, ...] = ()
+    # An episode's tool calls, each placed after the sampled tokens before it (``offset``),
+    # with its claims, outcome and observation (episode.py, tool_calls.py). () for a plain one.
+    calls: tuple[ToolCall, ...] = ()
     aborts: int = 0
     abort_reason: AbortReason | None = None
     finish_reason: FinishReason | None = None
@@ -131,14 +135,100 @@ class RolloutState:
         bound = self.request.max_staleness
         return bound is not None and weight_version - self.admitted_version > bound
 
+    # -- an episode's context: sampled and observation tokens in the order fed to the engine ---
+    @property
+    def pending_call(self) -> ToolCall | None:
+        """The call the episode waits on (requested, its result not recorded), if any."""
+        last = self.calls[-1] if self.calls else None
+        return last if last is not None and last.result is None else None
+
+    @property
+    def observation_tokens(self) -> int:
+        return sum(c.observation_tokens for c in self.calls)
+
+    @property
+    def context_tokens(self) -> int:
+        """Sampled plus observation tokens: what ``max_total_tokens`` bounds."""
+        return self.num_tokens + self.observation_tokens
+
+    @property
+    def tool_seconds(self) -> float:
+        """Run time of every claim of every call, as their runners reported it."""
+        return sum(c.seconds for c in self.calls)
+
+    @property
+    def context_token_ids(self) -> npt.NDArray[np.int32]:
+        """Every sampled and observation token (prompt excluded), in the order fed to the
+        engine: each observation right after the sampled tokens of the turn that called it."""
+        ids = self.token_ids
+        return ids if not self.calls else self._interleave(ids, None, TOKEN_DTYPE)
+
+    @property
+    def loss_mask(self) -> npt.NDArray[np.uint8]:
+        """Aligned with ``context_token_ids``: 1 for a sampled token, 0 for an observation's."""
+        ones = np.ones(self.num_tokens, dtype=np.uint8)
+        return ones if not self.calls else self._interleave(ones, 0, np.dtype(np.uint8))
+
+    @property
+    def context_weight_versions(self) -> npt.NDArray[np.int64]:
+        """Aligned with ``context_token_ids``: the weights that sampled each token; -1 for an
+        observation's (no weights sampled it)."""
+        vers = self.weight_versions
+        return vers if not self.calls else self._interleave(vers, -1, VERSION_DTYPE)
+
+    @property
+    def context_logprobs(self) -> npt.NDArray[np.float32]:
+        """Aligned with ``context_token_ids``: each sampled token's logprob; 0.0 for an
+        observation's (masked out by ``loss_mask``; 0 is what trainers pad with)."""
+        lps = self.logprobs
+        return lps if not self.calls else self._interleave(lps, 0.0, LOGPROB_DTYPE)
+
+    @property
+    def turns(self) -> tuple[tuple[int, int], ...]:
+        """Each turn's sampled tokens as ``[start, end)`` of ``context_token_ids``: one per
+        call (the turn that ended at it), then the turn after the last call if it is under way
+        or produced tokens. A turn that ended without a token (failed or cancelled at once) is
+        not listed."""
+        spans: list[tuple[int, int]] = []
+        start = sampled = 0
+        for call in self.calls:
+            end = start + call.offset - sampled
+            spans.append((start, end))
+            start, sampled = end + call.observation_tokens, call.offset
+        if self.num_tokens > sampled or (self.status in LIVE or self.status is Status.ABORTED):
+            spans.append((start, start + self.num_tokens - sampled))
+        return tuple(spans)
+
+    def _interleave(
+        self, sampled: npt.NDArray[Any], fill: float | None, dtype: np.dtype[Any]
+    ) -> Any:
+        parts: list[npt.NDArray[Any]] = []
+        done = 0
+        for call in self.calls:
+            if call.result is None:
+                continue
+            parts.append(sampled[done : call.offset])
+            obs = call.result.observation_token_ids
+            parts.append(obs if fill is None else np.full(len(obs), fill, dtype=dtype))
+            done = call.offset
+        parts.append(sampled[done:])
+        return concat(parts, dtype).astype(dtype, copy=False)
+
     # -- what a resume needs ------------------------------------------------------------------
     @property
     def remaining_tokens(self) -> int:
-        return self.request.sampling.max_tokens - self.num_tokens
+        """Sampled tokens the rollout may still produce: ``max_tokens`` less those so far, and
+        for an episode no more than its context leaves (``max_total_tokens``)."""
+        remaining = self.request.sampling.max_tokens - self.num_tokens
+        episode = self.request.episode
+        if episode is not None and episode.max_total_tokens is not None:
+            remaining = min(remaining, episode.max_total_tokens - self.context_tokens)
+        return remaining
 
     def resume_prompt(self) -> tuple[int, ...]:
-        """The prompt to send on a resume: the original prompt followed by the tokens so far."""
-        return self.request.prompt_token_ids + tuple(self.token_ids.tolist())
+        """The prompt to send on a resume (or an episode's next turn): the original prompt
+        followed by the context so far, observations included, byte for byte as fed before."""
+        return self.request.prompt_token_ids + tuple(self.context_token_ids.tolist())
 
     def resume_sampling(self) -> SamplingParams:
         """Sampling params for the rest of the rollout: budgets count over the whole rollout."""

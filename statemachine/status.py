@@ -13,12 +13,24 @@ class Status(StrEnum):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    # An episode between turns (``statemachine.episode``):
+    AWAITING_TOOL = "awaiting_tool"  # a tool call is requested; waiting for an environment
+    RUNNING_TOOL = "running_tool"  # an environment runner holds the call's live claim
+    NEXT_TURN = "next_turn"  # the call's result is recorded; waiting for a worker's next turn
 
 
 # Explicit sets, never ordering tricks: adding a state forces a decision here.
 TERMINAL: frozenset[Status] = frozenset({Status.DONE, Status.FAILED, Status.CANCELLED})
+# An attempt of a generation worker is running: its writes are fenced on it. The tool states
+# are not here: no generation attempt runs while a tool does (a runner's claim is fenced by
+# its own number, in ``transitions``).
 LIVE: frozenset[Status] = frozenset({Status.GENERATING, Status.RESUMED})
-WAITING: frozenset[Status] = frozenset({Status.PENDING, Status.ABORTED})
+# A generation job is due: what requeues generation jobs (a stranded rollout, a lost job)
+# acts on these. NEXT_TURN is one (its next turn is a generation job like a resume).
+WAITING: frozenset[Status] = frozenset({Status.PENDING, Status.ABORTED, Status.NEXT_TURN})
+# Waiting for an environment, or in one: in neither LIVE nor WAITING, so nothing that
+# requeues generation jobs or fences generation attempts touches them.
+AT_TOOL: frozenset[Status] = frozenset({Status.AWAITING_TOOL, Status.RUNNING_TOOL})
 
 
 class AbortReason(StrEnum):
@@ -38,6 +50,24 @@ class FinishReason(StrEnum):
 
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
+    # An episode's budgets (``EpisodeSpec``), each its own reason so a trainer can tell them
+    # apart (a turn cap is not a context overflow):
+    MAX_TURNS = "max_turns"  # it would need a turn beyond max_turns
+    MAX_TOTAL_TOKENS = "max_total_tokens"  # sampled + observation tokens fill max_total_tokens
+    TOOL_TIME = "tool_time"  # its calls used up max_tool_seconds
+    WALL_TIME = "wall_time"  # max_wall_seconds passed since it was submitted
+
+
+# The budget reasons an episode may end with between turns, when no attempt is running
+# (``LENGTH`` too: its sampled-token budget can run out exactly at a tool call).
+EPISODE_FINISH: frozenset[FinishReason] = frozenset(
+    {
+        FinishReason.MAX_TURNS,
+        FinishReason.MAX_TOTAL_TOKENS,
+        FinishReason.TOOL_TIME,
+        FinishReason.WALL_TIME,
+    }
+)
 
 
 class FailureClass(StrEnum):
@@ -48,6 +78,19 @@ class FailureClass(StrEnum):
     ENGINE_ERROR = "engine_error"  # the engine failed on it, MAX_ENGINE_ATTEMPTS times
     WORKER_LOST = "worker_lost"  # its workers kept dying under it
     UNREADABLE = "unreadable"  # its stored records cannot be decoded
+    # What ends an episode at a tool call:
+    ENV_FATAL = "env_fatal"  # the environment said the call can never succeed
+    ENV_ERROR = "env_error"  # the call kept failing with env_error beyond its retry budget
+    # A call's runner was lost with the call's effect unknown, and the tool's declared effect
+    # is ``restart``: running it again could apply its side effect twice.
+    EFFECT_UNVERIFIED = "effect_unverified"
+
+
+class ToolFailure(StrEnum):
+    """How a tool call failed, as its environment runner reports it."""
+
+    ENV_ERROR = "env_error"  # transient (a timeout, a flaky sandbox): retried within a budget
+    ENV_FATAL = "env_fatal"  # will never succeed (bad arguments, a broken task): ends it
 
 
 class GroupPolicy(StrEnum):

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from statemachine.episode_events import (
+    ToolCallClaimed,
+    ToolCallFailed,
+    ToolCallLost,
+    ToolCallRequested,
+    ToolResultRecorded,
+)
 from statemachine.errors import (
     AttemptMismatch,
     BudgetExceeded,
+    CallMismatch,
+    ClaimMismatch,
+    DecisionMismatch,
     IllegalTransition,
     ModelMismatch,
+    NotAnEpisode,
     OffsetMismatch,
     SequenceGap,
     TopLogprobsMismatch,
@@ -25,9 +36,12 @@ from statemachine.events import (
     TokensAppended,
 )
 from statemachine.rollout_state import RolloutState
-from statemachine.status import Status
+from statemachine.status import EPISODE_FINISH, FinishReason, Status
+from statemachine.tool_calls import ToolCall, record
 
 P, G, A, R = Status.PENDING, Status.GENERATING, Status.ABORTED, Status.RESUMED
+# An episode between turns: waiting for a runner, a runner holding the call, the next turn due.
+AT, RT, NT = Status.AWAITING_TOOL, Status.RUNNING_TOOL, Status.NEXT_TURN
 
 # (state before, event type) -> state after. ``None`` is "no rollout yet". Anything absent is
 # illegal; terminal states have no outgoing edges at all.
@@ -49,6 +63,26 @@ TRANSITIONS: dict[tuple[Status | None, type[Event]], Status] = {
     (R, Finished): Status.DONE,
     (R, Failed): Status.FAILED,
     (R, Cancelled): Status.CANCELLED,
+    # An episode: a turn ends at a tool call (ending its attempt); a runner claims the call
+    # and records its result (or a failure, or is lost: the call waits for a new claim);
+    # the next turn is an attempt resuming from the saved context. A budget may end the
+    # episode between turns; Failed and Cancelled end it from any state that has not ended
+    # (from RUNNING_TOOL they fence the runner out: its late result is refused).
+    (G, ToolCallRequested): AT,
+    (R, ToolCallRequested): AT,
+    (AT, ToolCallClaimed): RT,
+    (AT, Finished): Status.DONE,
+    (AT, Failed): Status.FAILED,
+    (AT, Cancelled): Status.CANCELLED,
+    (RT, ToolResultRecorded): NT,
+    (RT, ToolCallFailed): AT,
+    (RT, ToolCallLost): AT,
+    (RT, Failed): Status.FAILED,
+    (RT, Cancelled): Status.CANCELLED,
+    (NT, Resumed): R,
+    (NT, Finished): Status.DONE,
+    (NT, Failed): Status.FAILED,
+    (NT, Cancelled): Status.CANCELLED,
 }
 
 EVENT_TYPES: tuple[type[Event], ...] = (
@@ -60,6 +94,11 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     Finished,
     Failed,
     Cancelled,
+    ToolCallRequested,
+    ToolCallClaimed,
+    ToolResultRecorded,
+    ToolCallFailed,
+    ToolCallLost,
 )
 
 
@@ -117,6 +156,8 @@ def _begun(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
             e.seq,
             f"attempt {e.attempt} would run model {e.model!r}; earlier attempts ran {s.model!r}",
         )
+    if s.status is NT:
+        _check_next_turn(s, e)
     return s.evolve(
         seq=e.seq,
         status=after,
@@ -151,6 +192,16 @@ def _tokens(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
             e.seq,
             f"{s.num_tokens} + {n} tokens exceed max_tokens {s.request.sampling.max_tokens}",
         )
+    episode = s.request.episode
+    if episode is not None and episode.max_total_tokens is not None:
+        context = s.context_tokens
+        if context + n > episode.max_total_tokens:
+            raise BudgetExceeded(
+                e.rollout_id,
+                e.seq,
+                f"a context of {context} + {n} tokens exceeds max_total_tokens "
+                f"{episode.max_total_tokens}",
+            )
     return s.evolve(seq=e.seq, status=after, num_tokens=s.num_tokens + n, chunks=(*s.chunks, e))
 
 
@@ -162,7 +213,18 @@ def _aborted(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
 
 def _finished(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Finished)
-    _expect_attempt(s, e, e.attempt, s.attempt)
+    # Between an episode's turns no attempt is running: its Finished names attempt 0 (none),
+    # so the store's fence on it is "no attempt live" and a late worker cannot race it.
+    _expect_attempt(s, e, e.attempt, s.live_attempt)
+    if e.finish_reason in EPISODE_FINISH and s.request.episode is None:
+        raise NotAnEpisode(
+            e.rollout_id, e.seq, f"finish reason {e.finish_reason} is an episode's budget"
+        )
+    if s.live_attempt == 0 and e.finish_reason not in EPISODE_FINISH | {FinishReason.LENGTH}:
+        # Between turns only a budget ends an episode: a stop is the model's, within a turn.
+        raise IllegalTransition(
+            e.rollout_id, e.seq, f"finish reason {e.finish_reason} between turns"
+        )
     return s.evolve(
         seq=e.seq, status=after, finish_reason=e.finish_reason, stop_reason=e.stop_reason
     )
@@ -177,6 +239,96 @@ def _failed(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
 def _cancelled(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, Cancelled)
     return s.evolve(seq=e.seq, status=after, error=e.reason or None)
+
+
+# -- an episode's tool calls ----------------------------------------------------------------
+
+
+def _requested(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
+    assert s is not None and isinstance(e, ToolCallRequested)
+    _expect_episode(s, e)
+    _expect_attempt(s, e, e.attempt, s.attempt)
+    if e.offset != s.num_tokens:
+        raise OffsetMismatch(
+            e.rollout_id, e.seq, f"call at offset {e.offset} but {s.num_tokens} tokens so far"
+        )
+    if any(c.call_id == e.call_id for c in s.calls):
+        # Claims, results and idempotency keys name a call by its id: it must be unique.
+        raise CallMismatch(e.rollout_id, e.seq, f"call id {e.call_id!r} is already used")
+    return s.evolve(seq=e.seq, status=after, calls=record(s.calls, e))
+
+
+def _claimed(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
+    assert s is not None and isinstance(e, ToolCallClaimed)
+    call = _expect_call(s, e, e.call_id)
+    last = call.claims[-1].claim if call.claims else 0
+    if e.claim != last + 1:
+        raise ClaimMismatch(
+            e.rollout_id, e.seq, f"claim {e.claim} of {e.call_id!r}, expected {last + 1}"
+        )
+    budget = s.request.episode.max_tool_seconds if s.request.episode else None
+    if budget is not None and s.tool_seconds >= budget:
+        # A budget is checked when a step would begin: no tool runs once tool time is used up.
+        raise BudgetExceeded(
+            e.rollout_id, e.seq, f"tools ran {s.tool_seconds:g} s of max_tool_seconds {budget:g}"
+        )
+    return s.evolve(seq=e.seq, status=after, calls=record(s.calls, e))
+
+
+def _claim_ended(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
+    assert s is not None and isinstance(e, ToolResultRecorded | ToolCallFailed | ToolCallLost)
+    call = _expect_call(s, e, e.call_id)
+    if e.claim != call.live_claim:
+        # A zombie runner (its claim was declared lost, the call claimed again) reports late.
+        raise ClaimMismatch(
+            e.rollout_id,
+            e.seq,
+            f"{type(e).__name__} names claim {e.claim} of {e.call_id!r}; "
+            f"the live claim is {call.live_claim}",
+        )
+    if isinstance(e, ToolCallLost):
+        assert s.request.episode is not None  # a call exists only in an episode
+        declared = s.request.episode.effect_of(call.name)
+        if e.decision is not declared:
+            raise DecisionMismatch(
+                e.rollout_id,
+                e.seq,
+                f"lost call of {call.name!r} decided {e.decision}; the tool declares {declared}",
+            )
+    return s.evolve(seq=e.seq, status=after, calls=record(s.calls, e))
+
+
+def _check_next_turn(s: RolloutState, e: Event) -> None:
+    """An episode's next turn begins only within its turn and context budgets."""
+    episode = s.request.episode
+    assert episode is not None
+    if episode.max_turns is not None and len(s.calls) >= episode.max_turns:
+        raise BudgetExceeded(
+            e.rollout_id, e.seq, f"turn {len(s.calls) + 1} exceeds max_turns {episode.max_turns}"
+        )
+    if episode.max_total_tokens is not None and s.context_tokens >= episode.max_total_tokens:
+        raise BudgetExceeded(
+            e.rollout_id,
+            e.seq,
+            f"a context of {s.context_tokens} tokens leaves no room under max_total_tokens "
+            f"{episode.max_total_tokens}",
+        )
+
+
+def _expect_episode(s: RolloutState, e: Event) -> None:
+    if s.request.episode is None:
+        raise NotAnEpisode(e.rollout_id, e.seq, f"{type(e).__name__} on a plain rollout")
+
+
+def _expect_call(s: RolloutState, e: Event, call_id: str) -> ToolCall:
+    call = s.pending_call
+    # The tool states are reached only through a request: a call is pending in them.
+    assert call is not None
+    if call_id != call.call_id:
+        raise CallMismatch(
+            e.rollout_id, e.seq, f"call {call_id!r} is not the pending call {call.call_id!r}"
+        )
+    return call
 
 
 def _expect_attempt(s: RolloutState, e: Event, got: int, want: int) -> None:
@@ -196,4 +348,9 @@ _MUTATORS: dict[type[Event], _Mutator] = {
     Finished: _finished,
     Failed: _failed,
     Cancelled: _cancelled,
+    ToolCallRequested: _requested,
+    ToolCallClaimed: _claimed,
+    ToolResultRecorded: _claim_ended,
+    ToolCallFailed: _claim_ended,
+    ToolCallLost: _claim_ended,
 }

@@ -52,8 +52,9 @@ from statemachine import Submitted, codec
 from store import defaults, scripts
 from store.affinity import Affinity
 from store.errors import RolloutExists, StoreError
-from store.event_store import ARG_RECORD, FIRST, EventStore, _Prepared, submitted_record
+from store.event_store import FIRST, EventStore, submitted_record
 from store.keys import Keys
+from store.prepared import ARG_RECORD, _Prepared
 from store.queue import JobWriter
 from store.submission import Submission, same_submission
 

@@ -39,6 +39,20 @@ MAX_WORKER_LOST = 5  # workers lost under one rollout (lapsed leases, takeovers)
 LEASE_TTL_S = 5.0
 HEARTBEAT_S = 1.0
 REAP_INTERVAL_S = 1.0
+# A claimed tool call is leased to its environment runner for TOOL_LEASE_TTL_S (renewed by the
+# runner's heartbeat, ``EnvironmentClient.heartbeat``, every TOOL_HEARTBEAT_S or so); one left
+# to lapse is lost, and its tool's declared effect decides (``store.tool_sweep``). Longer than
+# a generation lease: a runner is a separate process, often in a sandbox farther from Redis.
+TOOL_LEASE_TTL_S = 15.0
+TOOL_HEARTBEAT_S = 3.0
+# A call whose runner reports env_error is claimable again this many times; the failure after
+# that ends the episode (``episode_commands.fail_call``).
+TOOL_RETRIES = 2
+# How often a blocking claim looks at its environment queue again while it is empty: a claim
+# must not take the entry off the queue (a runner dying between the pop and its append would
+# strand the call), so there is no blocking pop to wait on; 50 ms is a small share of a tool
+# call, and an idle runner's look is one ZRANGE.
+TOOL_CLAIM_POLL_S = 0.05
 # A rollout (or rq job) a reaper could not give back (its enqueue refused: Redis out of memory,
 # a damaged queue key) keeps its expired lease (or lapsed execution) and is tried again after
 # REAP_RETRY_S, doubling with each failure up to REAP_RETRY_MAX_S: never every pass, and the

@@ -82,6 +82,18 @@ class StaleAttempt(AppendRefused):
         self.live = live
 
 
+class ClaimLost(StoreError):
+    """A tool call's claim is not live any more (its lease lapsed and the call was given up
+    or claimed again, or its episode ended): a zombie runner's report, refused with nothing
+    written. The runner drops the call; whatever it did is the live claim's to redo."""
+
+    def __init__(self, rollout_id: str, call_id: str, claim: int, why: str) -> None:
+        super().__init__(f"rollout {rollout_id!r} call {call_id!r} claim {claim}: {why}")
+        self.rollout_id = rollout_id
+        self.call_id = call_id
+        self.claim = claim
+
+
 class InvalidRedisUrl(StoreError, ValueError):
     """A Redis URL that cannot be read or used. Its message never contains the URL itself
     (it may hold a password)."""

@@ -20,7 +20,6 @@ number taken, and the stored record is compared with the caller's here).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -37,8 +36,9 @@ from statemachine import (
     commands,
     fence_of,
 )
+from statemachine.episode_events import TOOL_EVENTS, ToolEvent
 from statemachine.errors import CorruptRecord, TransitionError
-from store import scripts
+from store import defaults, scripts
 from store.errors import (
     AppendRefused,
     RolloutExists,
@@ -47,6 +47,8 @@ from store.errors import (
     StaleAttempt,
 )
 from store.keys import Keys
+from store.prepared import _Prepared
+from store.tool_index import index_call
 
 # The snapshot hash's fields (written by lua/append.lua, read only in store/): the encoded head
 # of the derived scalars, the status in plain text (for the counters and acks done in Lua),
@@ -59,52 +61,6 @@ FIRST = "0-1"
 STATUS = "st"
 COMPLETION = "cid"
 JOB = "job"  # the rq job enqueued with the Submitted record (append.lua), deleted at ack
-
-
-# Where the record is among an event's arguments to lua/append.lua (store.batches reads it and
-# the head after it, for submit_chunk.lua).
-ARG_RECORD = 2
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    event: Event
-    state: RolloutState
-    keys: tuple[str, ...]  # log, snapshot, completions, counters, batch record
-    args: tuple[int | str | bytes, ...]  # the event's ARGV to lua/append.lua, record included
-
-    @property
-    def record(self) -> bytes:
-        return self.args[ARG_RECORD]  # type: ignore[return-value]
-
-    @property
-    def head(self) -> bytes:
-        """The snapshot head after the event."""
-        return self.args[ARG_RECORD + 1]  # type: ignore[return-value]
-
-    @property
-    def whole(self) -> bool:
-        """Whether the record goes through the script: only the Submitted record (once per
-        rollout, and its log does not exist yet); every other one goes beside it, the way
-        lua/append.lua describes, because Lua would hash every byte of it."""
-        return self.event.seq == 1
-
-    def script_keys(self) -> tuple[str, ...]:
-        log, snap, done, _, batch = self.keys
-        return log, snap, done, batch
-
-    def script_args(self) -> tuple[int | str | bytes, ...]:
-        if self.whole:
-            return self.args
-        return (*self.args[:ARG_RECORD], "", *self.args[ARG_RECORD + 1 :])
-
-    def ahead(self) -> list[scripts.Step]:
-        """The plain step that goes just before the script call of a header, in the same
-        transaction (none for a whole one): its record's XADD, which lua/append.lua undoes if
-        it refuses the event."""
-        if self.whole:
-            return []
-        return [("XADD", self.keys[0], "NOMKSTREAM", f"0-{self.event.seq}", "e", self.record)]
 
 
 class EventStore:
@@ -125,6 +81,30 @@ class EventStore:
         if error is not None:
             raise error
         return p.state
+
+    async def append_chain(
+        self,
+        state: RolloutState,
+        events: Sequence[Event],
+        *,
+        then: Sequence[scripts.Step] = (),
+        tool_lease_s: float | None = None,
+    ) -> RolloutState:
+        """Append a chain of one rollout's events (as ``append_many`` does one chain) with the
+        caller's ``then`` steps after them in the same transaction; the state after the last
+        event, or the first refusal raised (none of the chain is written after it)."""
+        prepared: list[_Prepared] = []
+        after: RolloutState | None = state
+        for event in events:
+            p = self.prepare(after, event, after=prepared[-1].head if prepared else None)
+            prepared.append(p)
+            after = p.state
+        replies = await self._run(prepared, then=then, tool_lease_s=tool_lease_s)
+        for p, reply in zip(prepared, replies, strict=True):
+            error = _refusal(reply, p.event)
+            if error is not None:
+                raise error
+        return prepared[-1].state
 
     async def append_many(
         self, chains: Sequence[tuple[RolloutState | None, Sequence[Event]]]
@@ -168,9 +148,17 @@ class EventStore:
                     break
         return results
 
-    async def _run(self, calls: Sequence[_Prepared]) -> list[Any]:
+    async def _run(
+        self,
+        calls: Sequence[_Prepared],
+        *,
+        then: Sequence[scripts.Step] = (),
+        tool_lease_s: float | None = None,
+    ) -> list[Any]:
         """Every append of ``calls`` in one MULTI/EXEC (one round trip), in order; the script's
-        reply for each, with "taken" resolved into "dup" or the refusal."""
+        reply for each, with "taken" resolved into "dup" or the refusal. ``then``: steps of the
+        caller's that run last in the same transaction (a script that acts only if the appends
+        landed, as lua/turn_job.lua); ``tool_lease_s``: the lease of a tool call claimed here."""
         # A rollout's n-th event of the batch goes in the n-th script call (lua/append.lua
         # takes at most one event per rollout per call), each call preceded by its records.
         rounds: list[list[int]] = []
@@ -183,6 +171,7 @@ class EventStore:
             rounds[n].append(i)
         steps: list[scripts.Step] = []
         where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(calls)  # step, index, XADD step
+        lease_ms = int(1000 * (tool_lease_s or defaults.TOOL_LEASE_TTL_S))
         for members in rounds:
             keys: list[str] = [calls[members[0]].keys[3]]  # the counters, one for all
             args: list[int | str | bytes] = []
@@ -195,7 +184,12 @@ class EventStore:
             for j, i in enumerate(members):
                 where[i] = (len(steps), j, xadds[j])
             steps.append(scripts.Call(scripts.APPEND, keys, args))
-        replies = await scripts.transaction(self.redis, steps)
+            # An episode's call goes on (or off) its environment queue in the same transaction
+            # (store/tool_index.py); nothing at all for a round of plain rollouts.
+            index = index_call(self.keys, [calls[i] for i in members], lease_ms)
+            if index is not None:
+                steps.append(index)
+        replies = await scripts.transaction(self.redis, [*steps, *then])
         out: list[Any] = []
         for p, (call_step, j, xadd) in zip(calls, where, strict=True):
             batch = replies[call_step]
@@ -292,11 +286,12 @@ class EventStore:
         submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
         if not isinstance(submitted, Submitted):
             raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
-        # The first entry is the Submitted record, decoded above.
-        chunks = tuple(
-            e for e in _decode_entries(rollout_id, entries[1:]) if isinstance(e, TokensAppended)
-        )
-        state = codec.decode_snapshot(head, submitted, chunks)
+        # The first entry is the Submitted record, decoded above. Every entry is decoded
+        # anyway, so an episode's tool events come at no extra cost.
+        events = _decode_entries(rollout_id, entries[1:])
+        chunks = tuple(e for e in events if isinstance(e, TokensAppended))
+        tools = _tool_events(events) if submitted.request.episode is not None else []
+        state = codec.decode_snapshot(head, submitted, chunks, tools)
         if sum(len(c) for c in chunks) != state.num_tokens:
             raise CorruptRecord(
                 f"snapshot counts {state.num_tokens} tokens, the log holds "
@@ -315,16 +310,28 @@ class EventStore:
         sub = submitted_record(first)
         if head is None or sub is None:
             raise RolloutNotFound(rollout_id)
-        return self.decode_head(rollout_id, head, sub)
+        state = self.decode_head(rollout_id, head, sub)
+        if state.request.episode is None:
+            return state  # a plain rollout: the one round trip above, as ever
+        # An episode's calls are folded from its tool events, which lie among its token
+        # records: a second read, for episodes only. Entries past the head's seq (appended
+        # since it was read) are left out, so the calls are the head's.
+        entries = await self.redis.xrange(self.keys.log(rollout_id), "0-2", f"0-{state.seq}")
+        if len(entries) != state.seq - 1:
+            raise RolloutNotFound(rollout_id)  # deleted (acknowledged, expired) in between
+        tools = _tool_events(_decode_entries(rollout_id, entries))
+        return self.decode_head(rollout_id, head, sub, tools)
 
     @staticmethod
-    def decode_head(rollout_id: str, head: bytes, sub: bytes) -> RolloutState:
+    def decode_head(
+        rollout_id: str, head: bytes, sub: bytes, tool_events: Sequence[ToolEvent] = ()
+    ) -> RolloutState:
         """The state of a snapshot's ``head`` and the ``Submitted`` record (``read_head``),
-        without token data."""
+        without token data (and without an episode's calls unless given its tool events)."""
         submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
         if not isinstance(submitted, Submitted):
             raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
-        return codec.decode_snapshot(head, submitted)
+        return codec.decode_snapshot(head, submitted, (), tool_events)
 
     async def replay(self, rollout_id: str) -> RolloutState:
         """The state rebuilt from the log alone, checking every transition on the way."""
@@ -393,6 +400,10 @@ def _decode_entries(rollout_id: str, entries: list[Any]) -> list[Event]:
         seq = int(entry_id.split(b"-")[1])
         events.append(codec.decode(fields[b"e"], rollout_id=rollout_id, seq=seq))
     return events
+
+
+def _tool_events(events: list[Event]) -> list[ToolEvent]:
+    return [e for e in events if isinstance(e, TOOL_EVENTS)]
 
 
 def _refusal(reply: Any, event: Event) -> AppendRefused | None:

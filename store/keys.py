@@ -160,6 +160,19 @@ class Keys:
         around its blocking pop; ``workers.affinity``)."""
         return f"{self.namespace}:worker:{worker_id}:waiting"
 
+    def env_queue(self, queue: str) -> str:
+        """An environment queue's claimable tool calls (a sorted set: member rollout id, score
+        = when its call became claimable, unix ms by Redis's clock; ``store.environment``).
+        Its own hash tag: on Redis Cluster it is a slot apart from the rollouts' keys (see
+        lua/tool_call_index.lua for what that asks of the write that keeps it)."""
+        return f"{self.namespace}:env:{{{check_batch_id(queue)}}}:calls"
+
+    def tool_leases(self) -> str:
+        """The lease index of every claimed tool call (a sorted set: member rollout id, score =
+        expiry, unix ms by Redis's clock), as ``leases`` is for generation attempts: an
+        episode has one call at most, so its rollout id names the call's live claim."""
+        return f"{self.namespace}:tool-leases"
+
     def batches(self) -> str:
         """Every batch's id, scored by the time it was submitted (a sorted set)."""
         return f"{self.namespace}:batches"

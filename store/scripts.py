@@ -360,3 +360,8 @@ TOUCH_JOBS = Script("touch_jobs", by_text=True)
 DROP_ACKNOWLEDGED_JOB = Script("drop_acknowledged_job", by_text=True)
 # By its text: it goes inside the MULTI that starts jobs and the one that beats them.
 STAMP_EXECUTIONS = Script("stamp_executions", by_text=True)
+# Episodes' tool calls (store/tool_index.py, store/environment.py). By their text: each goes
+# inside the MULTI that appends the events it follows.
+TOOL_CALL_INDEX = Script("tool_call_index", by_text=True)
+TURN_JOB = Script("turn_job", by_text=True)
+TOOL_HEARTBEAT = Script("tool_heartbeat")

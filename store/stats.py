@@ -1,11 +1,11 @@
 """What a trainer or an operator sees of the whole deployment, without scanning a key.
 
 Rollouts by state are counters kept by the append script itself (``lua/append.lua``), in the
-same atomic step as each transition, so they never drift from the logs: live states
-(pending, generating, aborted, resumed) count the rollouts in them now; terminal states count
-every rollout that ever ended so. Workers publish a heartbeat (``beat``) with their in-flight
-count and weight version; queue depths are rq's lists. ``read_stats`` gets all of it in one round
-trip.
+same atomic step as each transition, so they never drift from the logs: states that have not
+ended (pending, generating, aborted, resumed, and an episode's awaiting_tool, running_tool and
+next_turn) count the rollouts in them now; terminal states count every rollout that ever ended
+so. Workers publish a heartbeat (``beat``) with their in-flight count and weight version; queue
+depths are rq's lists. ``read_stats`` gets all of it in one round trip.
 
 A heartbeat's age is judged by Redis's clock, never by a host's: a worker stamps its beat with
 the time its lease renewal read from Redis (``Leases.renew``), and readers compare it with

@@ -10,6 +10,7 @@ from statemachine import (
     Aborted,
     AbortReason,
     Cancelled,
+    EpisodeSpec,
     Failed,
     Finished,
     FinishReason,
@@ -20,6 +21,14 @@ from statemachine import (
     Started,
     Submitted,
     TokensAppended,
+    ToolCallClaimed,
+    ToolCallFailed,
+    ToolCallLost,
+    ToolCallRequested,
+    ToolEffect,
+    ToolFailure,
+    ToolResultRecorded,
+    ToolSpec,
 )
 
 
@@ -115,3 +124,127 @@ def failed(s: RolloutState, error: str = "boom") -> Failed:
 
 def cancelled(s: RolloutState) -> Cancelled:
     return Cancelled(rollout_id=s.rollout_id, seq=s.seq + 1, reason="trainer")
+
+
+# -- episodes -----------------------------------------------------------------------------------
+
+
+def episode(**kw: Any) -> EpisodeSpec:
+    spec: dict[str, Any] = {
+        "tool_call_stop_token_ids": (7,),
+        "tools": (
+            ToolSpec(name="calc", effect=ToolEffect.IDEMPOTENT),
+            ToolSpec(name="edit", effect=ToolEffect.RESTORE),
+            ToolSpec(name="send", effect=ToolEffect.RESTART),
+        ),
+    }
+    spec.update(kw)
+    return EpisodeSpec(**spec)
+
+
+def episode_submitted(rid: str = "r1", max_tokens: int = 64, **kw: Any) -> Submitted:
+    return Submitted(
+        rollout_id=rid,
+        seq=1,
+        request=RolloutRequest(
+            prompt_token_ids=(1, 2, 3),
+            sampling=SamplingParams(max_tokens=max_tokens),
+            episode=episode(**kw),
+        ),
+    )
+
+
+def requested(
+    s: RolloutState, name: str = "calc", call_id: str | None = None, **kw: Any
+) -> ToolCallRequested:
+    cid = call_id or f"c{len(s.calls) + 1}"
+    fields: dict[str, Any] = {
+        "rollout_id": s.rollout_id,
+        "seq": s.seq + 1,
+        "attempt": s.attempt,
+        "offset": s.num_tokens,
+        "call_id": cid,
+        "name": name,
+        "arguments": '{"x": 1}',
+        "idempotency_key": f"{s.rollout_id}/{cid}",
+    }
+    fields.update(kw)
+    return ToolCallRequested(**fields)
+
+
+def _pending_id(s: RolloutState) -> str:
+    call = s.pending_call
+    return call.call_id if call is not None else "c?"
+
+
+def _live_claim(s: RolloutState) -> int:
+    call = s.pending_call
+    return call.live_claim if call is not None and call.live_claim else 1
+
+
+def claimed(s: RolloutState, runner: str = "env1", **kw: Any) -> ToolCallClaimed:
+    call = s.pending_call
+    last = call.claims[-1].claim if call is not None and call.claims else 0
+    fields: dict[str, Any] = {
+        "rollout_id": s.rollout_id,
+        "seq": s.seq + 1,
+        "call_id": _pending_id(s),
+        "runner_id": runner,
+        "claim": last + 1,
+    }
+    fields.update(kw)
+    return ToolCallClaimed(**fields)
+
+
+def result(s: RolloutState, n: int = 3, seconds: float = 0.5, **kw: Any) -> ToolResultRecorded:
+    fields: dict[str, Any] = {
+        "rollout_id": s.rollout_id,
+        "seq": s.seq + 1,
+        "call_id": _pending_id(s),
+        "claim": _live_claim(s),
+        "observation_token_ids": np.arange(900, 900 + n, dtype=np.int32),
+        "env_handle": "sandbox-1",
+        "env_revision": f"rev-{len(s.calls)}",
+        "seconds": seconds,
+    }
+    fields.update(kw)
+    return ToolResultRecorded(**fields)
+
+
+def call_failed(
+    s: RolloutState, failure: ToolFailure = ToolFailure.ENV_ERROR, **kw: Any
+) -> ToolCallFailed:
+    fields: dict[str, Any] = {
+        "rollout_id": s.rollout_id,
+        "seq": s.seq + 1,
+        "call_id": _pending_id(s),
+        "claim": _live_claim(s),
+        "failure": failure,
+        "error": "sandbox timed out",
+    }
+    fields.update(kw)
+    return ToolCallFailed(**fields)
+
+
+def call_lost(s: RolloutState, **kw: Any) -> ToolCallLost:
+    call = s.pending_call
+    decision = (
+        s.request.episode.effect_of(call.name)
+        if call is not None and s.request.episode is not None
+        else ToolEffect.RESTART
+    )
+    fields: dict[str, Any] = {
+        "rollout_id": s.rollout_id,
+        "seq": s.seq + 1,
+        "call_id": _pending_id(s),
+        "claim": _live_claim(s),
+        "decision": decision,
+        "detail": "lease expired",
+    }
+    fields.update(kw)
+    return ToolCallLost(**fields)
+
+
+def budget_finished(s: RolloutState, reason: FinishReason = FinishReason.MAX_TURNS) -> Finished:
+    """A Finished written between an episode's turns: no attempt runs, so it names attempt 0."""
+    return Finished(rollout_id=s.rollout_id, seq=s.seq + 1, attempt=0, finish_reason=reason)

@@ -50,7 +50,8 @@ class ClusterCollector(Collector):
             return
         by_state = GaugeMetricFamily(
             "rollouts_rollouts",
-            "Rollouts by state: live states (pending, generating, aborted, resumed) count "
+            "Rollouts by state: states that have not ended (pending, generating, aborted, "
+            "resumed, awaiting_tool, running_tool, next_turn) count "
             "those in it now, terminal states (done, failed, cancelled) every one that ended so",
             labels=["state"],
         )

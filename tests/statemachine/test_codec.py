@@ -18,6 +18,7 @@ from statemachine import (
     Event,
     Failed,
     FailureClass,
+    FinishReason,
     GroupPolicy,
     InvalidEvent,
     Membership,
@@ -87,8 +88,27 @@ def other_events() -> st.SearchStrategy[Event]:
             f.cancelled(st1),
             f.resumed(apply(st1, f.aborted(st1))),
             f.submitted(max_tokens=5, stop=("</s>",), stop_token_ids=(2,), seed=7, temperature=0.0),
+            *_episode_events(),
         ]
     )
+
+
+def _episode_events() -> list[Event]:
+    """One of each episode event (and an episode's Submitted), through legal states."""
+    sub = f.episode_submitted(max_turns=3, max_wall_seconds=60.0, max_tool_seconds=5)
+    s = apply(None, sub)
+    s = apply(s, f.started(s))
+    s = apply(s, f.tokens(s))
+    out: list[Event] = [sub]
+    for make in (f.requested, f.claimed, f.call_failed, f.claimed, f.call_lost, f.claimed):
+        event = make(s)
+        out.append(event)
+        s = apply(s, event)
+    out.append(f.result(s, n=5))
+    out.append(f.budget_finished(s, FinishReason.TOOL_TIME))
+    out.append(Failed(rollout_id="r1", seq=9, error="x", attempts=1,
+                      failure=FailureClass.EFFECT_UNVERIFIED))  # fmt: skip
+    return out
 
 
 events = token_events() | other_events()

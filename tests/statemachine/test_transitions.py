@@ -39,7 +39,10 @@ def state_in(status: Status | None) -> RolloutState | None:
     """A real state in ``status``, reached through legal events only."""
     if status is None:
         return None
-    s = apply(None, f.submitted(max_tokens=16))
+    # An episode's request, so that every tool-call event is possible where the table allows
+    # it; a plain rollout's refusal of them is tested on its own.
+    s = apply(None, f.episode_submitted(max_tokens=16))
+    turn = [f.started, f.tokens, f.requested]
     path = {
         Status.PENDING: [],
         Status.GENERATING: [f.started],
@@ -48,6 +51,9 @@ def state_in(status: Status | None) -> RolloutState | None:
         Status.DONE: [f.started, f.finished],
         Status.FAILED: [f.failed],
         Status.CANCELLED: [f.cancelled],
+        Status.AWAITING_TOOL: turn,
+        Status.RUNNING_TOOL: [*turn, f.claimed],
+        Status.NEXT_TURN: [*turn, f.claimed, f.result],
     }[status]
     for make in path:
         s = apply(s, make(s))
@@ -74,9 +80,15 @@ def event_for(state: RolloutState | None, event_type: type) -> object:
         "Resumed": lambda s: f.resumed(s),
         "TokensAppended": lambda s: f.tokens(s, n=1),
         "Aborted": lambda s: f.aborted(s),
-        "Finished": lambda s: f.finished(s),
+        # Between turns no attempt runs: a Finished there names attempt 0 and a budget.
+        "Finished": lambda s: f.budget_finished(s) if s.live_attempt == 0 else f.finished(s),
         "Failed": lambda s: f.failed(s),
         "Cancelled": lambda s: f.cancelled(s),
+        "ToolCallRequested": lambda s: f.requested(s, attempt=max(1, s.attempt)),
+        "ToolCallClaimed": lambda s: f.claimed(s),
+        "ToolResultRecorded": lambda s: f.result(s),
+        "ToolCallFailed": lambda s: f.call_failed(s),
+        "ToolCallLost": lambda s: f.call_lost(s),
     }[event_type.__name__](state)
 
 

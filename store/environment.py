@@ -1,0 +1,257 @@
+"""The environment side of episodes: whoever runs the tools claims the pending calls of an
+environment queue, heartbeats them, and records each one's result or failure.
+
+Every write is an event appended through the fenced store, as a generation worker's are: a
+claim is ``ToolCallClaimed`` (claim number = the previous + 1, fenced by seq, so of two
+runners at once exactly one gets the call), and a result or failure names its claim, which the
+domain accepts only while it is the call's live claim, so a zombie runner's late report is
+refused (``ClaimLost``) with nothing written. The queue itself is an index kept by those
+appends (``store.tool_index``); a claim never pops it: its entry goes in the transaction that
+records the claim, so a runner that dies between looking and claiming strands nothing.
+
+A claim is leased by Redis's clock like a generation attempt (``lua/tool_call_index.lua``
+takes the lease with the claim; ``lua/tool_heartbeat.lua`` renews it); a lease left to lapse
+is the sweep's (``store.tool_sweep``). A recorded result makes the next turn runnable: its
+generation job is pushed in the same transaction (``lua/turn_job.lua``), as a resume is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis as SyncRedis
+from rq import Queue
+from rq.job import Job
+
+from statemachine import RolloutState, Status, apply, codec, episode_commands
+from statemachine.episode import ToolEffect
+from statemachine.errors import CodecError
+from statemachine.events import Event
+from statemachine.status import ToolFailure
+from statemachine.tool_calls import ClaimEnd
+from store import defaults, scripts
+from store.errors import AppendRefused, ClaimLost, RolloutNotFound, SequenceConflict
+from store.event_store import EventStore
+from store.queue import JobWriter, rollout_queue
+
+# Entries of a queue looked at per claim, oldest first: more than one, so that a runner that
+# loses the race for the first (another runner claimed it) tries the next in the same look.
+CLAIM_SCAN = 16
+# Looks at a call before a report gives up on SequenceConflict: each means another event of
+# the episode landed between the read and the append (a trainer's cancel, the sweep), and the
+# next look decides again, so more than a few in a row is a bug worth raising.
+REPORT_TRIES = 5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallClaim:
+    """A call a runner holds: what to run, and its fence (``rollout_id``, ``call_id``,
+    ``claim``) for every report about it. ``idempotency_key`` is the same for every claim
+    of the call. ``env_handle``/``env_revision`` are those recorded with the episode's last
+    result ("" before any); ``restore`` says the environment must go back to that revision
+    before running the call: an earlier claim of it was lost with its effect unverified and
+    the tool declares ``restore``."""
+
+    rollout_id: str
+    call_id: str
+    claim: int
+    runner_id: str
+    name: str
+    arguments: str
+    idempotency_key: str
+    effect: ToolEffect
+    env_handle: str
+    env_revision: str
+    restore: bool
+
+
+def claim_of(state: RolloutState) -> ToolCallClaim:
+    """The claim ``state`` (just claimed) hands its runner."""
+    call = state.pending_call
+    assert call is not None and call.live_claim and state.request.episode is not None
+    last = next((c.result for c in reversed(state.calls) if c.result is not None), None)
+    lost = [c for c in call.claims if c.end is ClaimEnd.LOST]
+    return ToolCallClaim(
+        rollout_id=state.rollout_id,
+        call_id=call.call_id,
+        claim=call.live_claim,
+        runner_id=call.claims[-1].runner_id,
+        name=call.name,
+        arguments=call.arguments,
+        idempotency_key=call.idempotency_key,
+        effect=state.request.episode.effect_of(call.name),
+        env_handle="" if last is None else last.env_handle,
+        env_revision="" if last is None else last.env_revision,
+        restore=any(c.decision is ToolEffect.RESTORE for c in lost),
+    )
+
+
+class EnvironmentClient:
+    """``store``: the event store (its Redis holds the queues); ``connection``: a synchronous
+    client of the same Redis, for rq's job templates (``store.queue.JobWriter``); ``clock``:
+    the host's, for the wall-time budget only (leases are judged by Redis's)."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        connection: SyncRedis,
+        *,
+        lease_s: float = defaults.TOOL_LEASE_TTL_S,
+        retries: int = defaults.TOOL_RETRIES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.connection = connection
+        self.lease_s = lease_s
+        self.retries = retries
+        self.clock = clock
+        self._writers: dict[str, JobWriter] = {}  # generation queue name -> its jobs' fields
+
+    async def claim(
+        self, queue: str, runner_id: str, lease_s: float | None = None, timeout_s: float = 0.0
+    ) -> ToolCallClaim | None:
+        """The oldest claimable call of environment queue ``queue``, claimed for ``runner_id``
+        and leased for ``lease_s``; None if there is none, after waiting up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = await self._claim_once(queue, runner_id, lease_s or self.lease_s)
+            left = deadline - time.monotonic()
+            if got is not None or left <= 0:
+                return got
+            await asyncio.sleep(min(defaults.TOOL_CLAIM_POLL_S, left))
+
+    async def _claim_once(self, queue: str, runner_id: str, lease_s: float) -> ToolCallClaim | None:
+        key = self.store.keys.env_queue(queue)
+        for raw in await self.store.redis.zrange(key, 0, CLAIM_SCAN - 1):
+            rid = raw.decode()
+            try:
+                state = await self.store.head(rid)
+            except RolloutNotFound:
+                # Deleted under its entry (an entry outlives no ended episode: the append
+                # that ended it took it off): nothing to claim, ever.
+                await self.store.redis.zrem(key, rid)
+                continue
+            except CodecError:
+                # Unreadable: no runner could act on it; the reaper quarantines its rollout.
+                continue
+            if state.status is not Status.AWAITING_TOOL:
+                continue  # claimed by another runner since the look
+            try:
+                ended = episode_commands.end_on_budget(state, self.clock())
+                if ended:
+                    # Its tool time or wall time is spent: the episode ends instead of
+                    # running the call (which takes it off the queue).
+                    await self.store.append_chain(state, ended)
+                    continue
+                claimed = episode_commands.claim_call(state, runner_id)
+                after = await self.store.append_chain(state, [claimed], tool_lease_s=lease_s)
+            except AppendRefused:
+                continue  # another runner (or event) got there first: the next entry
+            return claim_of(after)
+        return None
+
+    async def heartbeat(
+        self, claims: Sequence[ToolCallClaim], lease_s: float | None = None
+    ) -> list[bool]:
+        """Renew the leases of ``claims`` in one round trip; for each, whether it is still
+        live (False: lost, its runner should stop and drop it)."""
+        if not claims:
+            return []
+        keys = self.store.keys
+        script_keys = [keys.tool_leases(), *(keys.snapshot(c.rollout_id) for c in claims)]
+        args: list[scripts.Arg] = [int(1000 * (lease_s or self.lease_s))]
+        for c in claims:
+            args += [c.rollout_id, c.claim]
+        _, live = await scripts.TOOL_HEARTBEAT(self.store.redis, script_keys, args)
+        return [bool(x) for x in live]
+
+    async def record_result(
+        self,
+        claim: ToolCallClaim,
+        observation_token_ids: Any,
+        *,
+        env_handle: str = "",
+        env_revision: str = "",
+        seconds: float = 0.0,
+    ) -> RolloutState:
+        """Record the claim's result (``ClaimLost`` if it is not live) and, unless a budget
+        ends the episode there, push its next turn's generation job in the same step."""
+
+        def events(state: RolloutState) -> list[Event]:
+            return episode_commands.record_result(
+                state, call_id=claim.call_id, claim=claim.claim,
+                observation_token_ids=observation_token_ids, seconds=seconds,
+                env_handle=env_handle, env_revision=env_revision, now=self.clock(),
+            )  # fmt: skip
+
+        return await self._report(claim, events)
+
+    async def record_failure(
+        self, claim: ToolCallClaim, failure: ToolFailure, error: str = "", seconds: float = 0.0
+    ) -> RolloutState:
+        """Record that the claim failed (``ClaimLost`` if it is not live): ``env_error`` makes
+        the call claimable again within its retries; ``env_fatal``, or an ``env_error``
+        beyond them, fails the episode (its completion is delivered like any failure's)."""
+
+        def events(state: RolloutState) -> list[Event]:
+            return episode_commands.fail_call(
+                state, call_id=claim.call_id, claim=claim.claim, failure=ToolFailure(failure),
+                error=error, retries=self.retries, seconds=seconds, now=self.clock(),
+            )  # fmt: skip
+
+        return await self._report(claim, events)
+
+    async def _report(
+        self, claim: ToolCallClaim, events: Callable[[RolloutState], list[Event]]
+    ) -> RolloutState:
+        for _ in range(REPORT_TRIES):
+            try:
+                state = await self.store.head(claim.rollout_id)
+            except RolloutNotFound:
+                why = "no such rollout (acknowledged, or expired)"
+                raise ClaimLost(claim.rollout_id, claim.call_id, claim.claim, why) from None
+            _check_live(state, claim)
+            chain = events(state)
+            then = await self._turn_job(state, chain)
+            try:
+                return await self.store.append_chain(state, chain, then=then)
+            except SequenceConflict:
+                continue  # another event landed since the read: look at the call again
+        raise SequenceConflict(claim.rollout_id, 0, -1)
+
+    async def _turn_job(self, state: RolloutState, chain: list[Event]) -> list[scripts.Step]:
+        """The step that pushes the next turn's generation job, if ``chain`` leaves the
+        episode at ``next_turn`` (none if a budget ends it there)."""
+        after = state
+        for event in chain:
+            after = apply(after, event)
+        if after.status is not Status.NEXT_TURN:
+            return []
+        jobs = self._writers.get(after.queue)
+        if jobs is None:
+            # Its template asks the server's version once (blocking): per queue, in a thread.
+            queue = rollout_queue(self.connection, after.queue)
+            jobs = self._writers[after.queue] = await asyncio.to_thread(JobWriter, queue)
+        job_id = str(uuid.uuid4())
+        shared = [x for kv in jobs.shared().items() for x in kv]
+        keys = [self.store.keys.snapshot(after.rollout_id), jobs.queue.key,
+                Queue.redis_queues_keys, Job.key_for(job_id)]  # fmt: skip
+        args = [after.seq, codec.encode_snapshot(after), job_id, jobs.data(after.rollout_id),
+                jobs.description(after.rollout_id), *shared]  # fmt: skip
+        return [scripts.Call(scripts.TURN_JOB, keys, args)]
+
+
+def _check_live(state: RolloutState, claim: ToolCallClaim) -> None:
+    call = state.pending_call
+    if state.status is not Status.RUNNING_TOOL or call is None:
+        why = f"the episode is {state.status.value}, no claim is live"
+    elif call.call_id != claim.call_id or call.live_claim != claim.claim:
+        why = f"the live claim is {call.call_id!r} claim {call.live_claim}"
+    else:
+        return
+    raise ClaimLost(claim.rollout_id, claim.call_id, claim.claim, why)

@@ -1,0 +1,62 @@
+-- Keep the indexes of episodes' tool calls in step with their snapshots, in the transaction
+-- that appended their events (right after lua/append.lua, in the same MULTI/EXEC): a call is
+-- on its environment queue exactly while its episode is awaiting_tool, and leased exactly
+-- while it is running_tool. Run for the events of episodes only: a plain rollout never pays
+-- for it. An event lua/append.lua refused is skipped (the snapshot is not the one it wrote):
+-- whoever's event took that seq ran this script in its own transaction.
+--
+-- KEYS[1]   the tool lease index (a sorted set: member rollout id, score = expiry, unix ms by
+--           Redis's clock, as set_leases.lua stamps generation leases)
+-- then per event i (from 0), with k = 2 + 2i:
+-- KEYS[k]   its rollout's snapshot (fields seq, st, head from lua/append.lua; this script
+--           keeps "tc", the live claim of the episode's pending call, for tool_heartbeat.lua)
+-- KEYS[k+1] the environment queue its episode names (a sorted set: member rollout id, score
+--           = when the call became claimable, unix ms by Redis's clock: oldest first)
+-- ARGV[1]   the lease TTL of a claim that lands here, ms
+-- then per event i, with a = 1 + 4i:
+-- ARGV[a+1] its rollout id        ARGV[a+2] its seq
+-- ARGV[a+3] the snapshot head it wrote (lua/append.lua's ARGV)
+-- ARGV[a+4] the live claim after it ("0": none)
+--
+-- Returns one integer per event: 1 if its indexes were set, 0 if the event did not land.
+--
+-- Redis Cluster: an environment queue and the lease index are slots apart from a rollout's
+-- keys, so this script cannot run there beside append.lua (nor can append.lua, whose
+-- counters hash are a slot of their own too). The way there (issue 32): the events stay the
+-- authority, and this step runs after the append as a second, idempotent step driven by the
+-- snapshot (it reads the status; re-running it changes nothing), repeated by a sweep over
+-- awaiting_tool episodes for a writer that died between the two steps.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local leases = KEYS[1]
+local out = {}
+for i = 0, (#ARGV - 1) / 4 - 1 do
+  local snapkey, queue = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
+  local a = 1 + 4 * i
+  local rid, claim = ARGV[a + 1], ARGV[a + 4]
+  local snap = redis.call('HMGET', snapkey, 'seq', 'head', 'st', 'tc')
+  if snap[1] ~= ARGV[a + 2] or snap[2] ~= ARGV[a + 3] then
+    out[i + 1] = 0
+  else
+    local st = snap[3]
+    if st == 'awaiting_tool' then
+      redis.call('ZADD', queue, 'NX', now, rid)
+      redis.call('ZREM', leases, rid)
+      redis.call('HDEL', snapkey, 'tc')
+    elseif st == 'running_tool' then
+      redis.call('ZREM', queue, rid)
+      if snap[4] ~= claim then
+        -- A claim that just landed (a repeat of its append finds it recorded, and leaves
+        -- a lease its runner may have renewed since alone).
+        redis.call('HSET', snapkey, 'tc', claim)
+        redis.call('ZADD', leases, string.format('%.0f', now + tonumber(ARGV[1])), rid)
+      end
+    else
+      redis.call('ZREM', queue, rid)
+      redis.call('ZREM', leases, rid)
+      redis.call('HDEL', snapkey, 'tc')
+    end
+    out[i + 1] = 1
+  end
+end
+return out

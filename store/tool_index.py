@@ -1,0 +1,40 @@
+"""The Redis indexes of episodes' tool calls, kept by the transaction that appends their
+events: each environment queue (its claimable calls) and the tool lease index (its claimed
+ones). ``EventStore`` adds the step built here after the append script of every round that
+holds an episode's event (``lua/tool_call_index.lua``), so a call is claimable exactly while
+its episode is ``awaiting_tool``, whoever appended the event that put it there: the generation
+worker's ``ToolCallRequested``, a runner's retried failure, the sweep's ``ToolCallLost``, or a
+trainer's cancel that takes it off the queue. A plain rollout's append is untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from statemachine import RolloutState
+from store import scripts
+from store.keys import Keys
+from store.prepared import _Prepared
+
+
+def live_claim(state: RolloutState) -> int:
+    """The live claim of the episode's pending call, 0 when none is live."""
+    call = state.pending_call
+    return 0 if call is None else call.live_claim
+
+
+def index_call(keys: Keys, calls: Sequence[_Prepared], lease_ms: int) -> scripts.Call | None:
+    """The step that follows one round's append script: ``lua/tool_call_index.lua`` over the
+    episodes' events of ``calls`` (None when there is none, the plain rollouts' case).
+    ``lease_ms``: the lease a claim landing in the round gets."""
+    script_keys: list[str] = [keys.tool_leases()]
+    args: list[scripts.Arg] = [lease_ms]
+    for p in calls:
+        episode = p.state.request.episode
+        if episode is None:
+            continue
+        script_keys += [p.keys[1], keys.env_queue(episode.env_queue)]
+        args += [p.event.rollout_id, p.event.seq, p.head, live_claim(p.state)]
+    if len(args) == 1:
+        return None
+    return scripts.Call(scripts.TOOL_CALL_INDEX, script_keys, args)

@@ -1,0 +1,83 @@
+"""The sweep of lost tool calls: claims whose lease lapsed by Redis's clock (their runner died,
+stalled or lost its connection) end in ``ToolCallLost``, and the tool's declared effect
+decides what follows (``episode_commands.lose_call``): ``idempotent`` and ``restore`` put the
+call back on its queue (the next claim carries the last result's revision to restore),
+``restart`` fails the episode with ``effect_unverified``.
+
+Run by every worker's reaper each pass (and callable on its own); several at once are safe:
+the ``ToolCallLost`` append is fenced by seq, so exactly one sweeper records it, and a lease
+is acted on only while it is the one the sweeper saw expire (a heartbeat or a new claim
+since changes its expiry).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from statemachine import Status, episode_commands
+from store import defaults, scripts
+from store.errors import AppendRefused, RolloutNotFound
+from store.event_store import EventStore
+from store.logs import log_event
+
+log = logging.getLogger("rollouts.tool_sweep")
+
+
+async def sweep_lost_calls(
+    store: EventStore,
+    *,
+    limit: int = 100,
+    refusal_grace_s: float = defaults.STORE_REAP_GRACE_S,
+    clock: Callable[[], float] = time.time,
+) -> list[str]:
+    """One pass: the rollouts whose lost call this sweeper recorded. None within the grace
+    after Redis last refused a write (``lua/lease_grace.lua``: nobody could renew then)."""
+    keys = [store.keys.tool_leases(), store.keys.lease_refusals()]
+    _, rows, _ = await scripts.EXPIRED_LEASES(
+        store.redis, keys, [limit, int(refusal_grace_s * 1000)]
+    )
+    lost = []
+    for i in range(0, len(rows), 2):
+        rid, expiry = rows[i].decode(), int(rows[i + 1])
+        try:
+            if await _lose(store, rid, expiry, clock):
+                lost.append(rid)
+        except AppendRefused:
+            continue  # another sweeper, or the runner's late result, landed first
+    return lost
+
+
+async def _lose(store: EventStore, rid: str, expiry: int, clock: Callable[[], float]) -> bool:
+    leases = store.keys.tool_leases()
+    try:
+        state = await store.head(rid)
+    except RolloutNotFound:
+        await scripts.RELEASE_LEASE(store.redis, [leases], [rid, expiry])  # a deleted rollout
+        return False
+    call = state.pending_call
+    if state.status is not Status.RUNNING_TOOL or call is None or not call.live_claim:
+        # Nothing is claimed (the index would have dropped the lease with the event that
+        # ended the claim): a leftover, removed unless a new claim leased it since.
+        await scripts.RELEASE_LEASE(store.redis, [leases], [rid, expiry])
+        return False
+    score = await store.redis.zscore(leases, rid)
+    if score is None or int(score) != expiry:
+        # Renewed, or a new claim's since the look. Read after the state: a claim landing
+        # after this check changes the seq, and the append below is refused.
+        return False
+    runner = call.claims[-1].runner_id
+    events = episode_commands.lose_call(
+        state, call_id=call.call_id, claim=call.live_claim,
+        detail=f"lease of runner {runner} expired", now=clock(),
+    )  # fmt: skip
+    after = await store.append_chain(state, events)
+    log_event(
+        log, logging.WARNING, "tool_call_lost",
+        f"rollout {rid} call {call.call_id} claim {call.live_claim} ({call.name}): lease of "
+        f"runner {runner} expired; effect unverified, decided {events[0].decision.value}, "  # type: ignore[attr-defined]
+        f"episode {after.status.value}",
+        rollout_id=rid, call_id=call.call_id, claim=call.live_claim, lost_runner=runner,
+    )  # fmt: skip
+    return True

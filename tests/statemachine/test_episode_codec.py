@@ -1,0 +1,184 @@
+"""The stored form of episodes: new records at their versions, a plain rollout's records byte
+for byte what they were, old records still decoding, and a snapshot head of an episode."""
+
+from __future__ import annotations
+
+import zlib
+
+import msgpack
+import numpy as np
+import pytest
+
+from statemachine import (
+    CorruptRecord,
+    Failed,
+    FailureClass,
+    Finished,
+    FinishReason,
+    RolloutState,
+    Submitted,
+    TokensAppended,
+    ToolCallClaimed,
+    ToolResultRecorded,
+    UnsupportedSchema,
+    apply,
+    codec,
+)
+from statemachine.episode_events import TOOL_EVENTS
+from tests import factories as f
+
+
+def _forge(magic: bytes, body: list) -> bytes:
+    packed = msgpack.packb(body, use_bin_type=True)
+    return magic + zlib.crc32(packed).to_bytes(4, "little") + packed
+
+
+def _header(record: bytes) -> list:
+    return msgpack.unpackb(record[5:], raw=False)
+
+
+def test_a_plain_rollouts_records_are_byte_for_byte_what_they_were() -> None:
+    # Written as the code before episodes wrote them: submitted v3, finished v1, failed v2.
+    request = f.request().to_dict()
+    membership = {
+        "batch_id": "",
+        "group_index": 0,
+        "sample_index": 0,
+        "group_size": 1,
+        "group_policy": "sample",
+    }
+    olds = [
+        _forge(
+            b"R",
+            [
+                "submitted",
+                3,
+                "r",
+                1,
+                0.0,
+                {
+                    "request": request,
+                    "admitted_version": 0,
+                    "queue": "rollouts",
+                    "membership": membership,
+                },
+            ],
+        ),
+        _forge(
+            b"R",
+            ["finished", 1, "r", 4, 0.0, {"attempt": 1, "finish_reason": "stop", "stop_reason": 2}],
+        ),
+        _forge(
+            b"R",
+            ["failed", 2, "r", 4, 0.0, {"error": "x", "attempts": 1, "failure": "engine_error"}],
+        ),
+    ]
+    for old in olds:
+        assert codec.encode(codec.decode(old)) == old
+    sub = codec.decode(olds[0])
+    assert isinstance(sub, Submitted) and sub.request.episode is None
+    state = apply(apply(None, sub), f.started(apply(None, sub)))
+    assert _header(codec.encode_snapshot(state))[0] == 3
+
+
+def test_episode_records_are_newer_versions_that_older_readers_refuse_as_newer() -> None:
+    sub = f.episode_submitted(max_turns=4)
+    s = apply(None, sub)
+    s = apply(s, f.started(s))
+    s = apply(s, f.tokens(s))
+    s = apply(s, f.requested(s))
+    cases = [
+        (sub, "submitted", 4, 3),
+        (f.budget_finished(s, FinishReason.MAX_TURNS), "finished", 2, 1),
+        (
+            Failed(rollout_id="r1", seq=5, error="x", attempts=1, failure=FailureClass.ENV_FATAL),
+            "failed",
+            3,
+            2,
+        ),
+    ]
+    for event, name, version, before in cases:
+        record = codec.encode(event)
+        assert _header(record)[:2] == [name, version]
+        assert codec.decode(record) == event
+        # What the reader that predates it does: a version newer than its own is "newer".
+        with pytest.raises(UnsupportedSchema, match="newer"):
+            codec._upcast(name, version, before, {}, "r1", event.seq)
+    assert codec.decode(codec.encode(sub)).request.episode == sub.request.episode  # type: ignore[attr-defined]
+    for cls in TOOL_EVENTS:
+        name = next(n for n, (c, *_rest) in codec.REGISTRY.items() if c is cls)
+        assert codec.REGISTRY[name][1] == 1
+
+
+def _episode_state() -> tuple[RolloutState, list]:
+    events: list = [f.episode_submitted()]
+    s = apply(None, events[0])
+    for make in (
+        f.started,
+        f.tokens,
+        f.requested,
+        f.claimed,
+        f.call_lost,
+        f.claimed,
+        f.result,
+        f.resumed,
+        f.tokens,
+        f.requested,
+        f.claimed,
+    ):
+        events.append(make(s))
+        s = apply(s, events[-1])
+    return s, events
+
+
+def test_an_episodes_snapshot_head_is_v5_and_decodes_with_its_tool_records() -> None:
+    state, events = _episode_state()
+    head = codec.encode_snapshot(state)
+    assert _header(head)[0] == 5 and len(_header(head)) == 15  # v3's layout
+    decoded = [codec.decode(codec.encode(e)) for e in events]
+    chunks = tuple(e for e in decoded if isinstance(e, TokensAppended))
+    tools = [e for e in decoded if isinstance(e, TOOL_EVENTS)]
+    back = codec.decode_snapshot(head, decoded[0], chunks, tools)
+    assert back == state and back.status.value == "running_tool"
+    assert back.context_token_ids.tolist() == state.context_token_ids.tolist()
+    # Without its tool records (a head-only read) it has no calls, and says so by being empty.
+    assert codec.decode_snapshot(head, decoded[0]).calls == ()
+    with pytest.raises(CorruptRecord, match="out of order"):
+        codec.decode_snapshot(
+            head, decoded[0], chunks, [t for t in tools if not isinstance(t, ToolCallClaimed)][1:]
+        )
+
+
+def test_a_v4_paused_head_and_a_v3_head_still_decode() -> None:
+    sub = f.submitted("r")
+    s = apply(None, sub)
+    s = apply(s, f.started(s))
+    v3 = _header(codec.encode_snapshot(s))
+    assert codec.decode_snapshot(_forge(b"S", v3), sub) == s
+    assert codec.decode_snapshot(_forge(b"S", [4, *v3[1:]]), sub) == s
+    with pytest.raises(UnsupportedSchema):
+        codec.decode_snapshot(_forge(b"S", [6, *v3[1:]]), sub)
+
+
+def test_an_observation_is_stored_as_raw_bytes_near_its_payload() -> None:
+    state, _ = _episode_state()
+    n = 1000
+    result = f.result(state, observation_token_ids=np.arange(n, dtype=np.int32))
+    record = codec.encode(result)
+    fields = _header(record)[5]
+    assert fields["observation_token_ids"] == ["<i4", [n], np.arange(n, dtype="<i4").tobytes()]
+    assert len(record) <= 1.2 * 4 * n
+    assert codec.decode(record) == result
+
+
+def test_damaged_tool_records_are_refused() -> None:
+    fields = {"call_id": "c1", "claim": 1, "failure": "meteor", "error": "", "seconds": 0.0}
+    with pytest.raises(CorruptRecord, match="bad tool_call_failed fields"):
+        codec.decode(_forge(b"R", ["tool_call_failed", 1, "r", 5, 0.0, fields]))
+    good = codec.encode(f.result(_episode_state()[0]))
+    body = _header(good)
+    body[5]["observation_token_ids"][2] = b"\x00" * 3  # 3 bytes for 3 int32 ids
+    with pytest.raises(CorruptRecord, match="needs 12 bytes"):
+        codec.decode(_forge(b"R", body))
+    assert isinstance(codec.decode(good), ToolResultRecorded)
+    assert isinstance(codec.decode(codec.encode(f.budget_finished(_episode_state()[0]))), Finished)
