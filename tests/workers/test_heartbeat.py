@@ -93,6 +93,9 @@ async def test_a_held_up_loop_is_said_in_the_log(
             worker.cancel()
         await client.aclose()
     late = [r.getMessage() for r in caplog.records if "heartbeat late" in r.getMessage()]
-    assert len(late) == 1, late  # once: the beats after it are on time
-    assert late[0].startswith("heartbeat late: 1.") and "leases last 2.0 s" in late[0], late
+    # The held-up beat is said with its gap (1.5 s and the beat's own wait); on a loaded
+    # machine another may follow, so the first is the one checked.
+    assert late, "a beat 1.5 s late was not logged"
+    gap = float(late[0].removeprefix("heartbeat late: ").split()[0])
+    assert gap >= 1.4 and "leases last 2.0 s" in late[0], late
     assert result.status.value == "done" and result.aborts == 0  # 1.5 s < the TTL: kept
