@@ -4,7 +4,8 @@ decides what follows (``episode_commands.lose_call``): ``idempotent`` and ``rest
 call back on its queue (the next claim carries the last result's revision to restore),
 ``restart`` fails the episode with ``effect_unverified``.
 
-Run by every worker's reaper each pass (and callable on its own); several at once are safe:
+To be run by every worker's reaper each pass once workers generate episodes' turns (not yet
+wired: a worker runs no episode today); several at once are safe:
 the ``ToolCallLost`` append is fenced by seq, so exactly one sweeper records it, and a lease
 is acted on only while it is the one the sweeper saw expire (a heartbeat or a new claim
 since changes its expiry).

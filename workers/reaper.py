@@ -54,7 +54,6 @@ from store.leases import Leases
 from store.logs import log_event
 from store.presence import PresenceWatch
 from store.queue import JobWriter, give_back, rollout_queue
-from store.tool_sweep import sweep_lost_calls
 from workers.backoff import Backoff
 from workers.failures import record_failure, worker_lost_aborts
 from workers.outcomes import Stats
@@ -104,7 +103,6 @@ class Reaper:
         self.recovered = 0
         self.quarantined = 0
         self.recovered_gone = 0  # of ``recovered``: rollouts of workers whose process was gone
-        self.lost_calls = 0  # tool calls whose environment runner was lost (store.tool_sweep)
         # True while the reaper must leave every lease alone: its worker sees Redis refusing
         # writes, or saw it too recently for the lapsed leases' workers to have renewed them
         # (``StoreCondition.settling``). Nobody can renew a lease during such an episode, so a
@@ -141,13 +139,6 @@ class Reaper:
                 if not self._refused(exc, "reaper"):
                     log.warning("rollout %s: reaping failed; retrying in %.1f s", rid, delay,
                                 exc_info=True)  # fmt: skip
-        try:
-            # Lost environment runners: their calls' effects are decided in the same pass.
-            self.lost_calls += len(await sweep_lost_calls(self.store))
-        except Exception as exc:
-            # Redis hiccup: the lapsed tool leases are still there next pass.
-            if not self._refused(exc, "reaper"):
-                log.warning("sweep of lost tool calls failed", exc_info=True)
         if self.jobs is not None:
             try:
                 for job_id in await self.jobs.requeue_abandoned():
