@@ -44,6 +44,11 @@ def frozen(values: Any, dtype: np.dtype[Any], name: str, ndim: int = 1) -> npt.N
             if arr.dtype != dtype:
                 if dtype.kind in "iu" and arr.size and arr.dtype.kind not in "iub":
                     raise InvalidEvent(f"{name} must hold integers, got dtype {arr.dtype}")
+                if dtype.kind in "iu" and arr.size and arr.dtype.kind in "iu":
+                    # astype wraps silently: 2**31 would be stored as -2**31.
+                    info = np.iinfo(dtype)
+                    if int(arr.min()) < info.min or int(arr.max()) > info.max:
+                        raise InvalidEvent(f"{name} holds values outside {dtype}")
                 arr = arr.astype(dtype)
         except (TypeError, ValueError) as exc:
             # Ragged lists or strings: numpy cannot form a rectangular array of this dtype.

@@ -20,7 +20,7 @@ import msgpack
 
 # pack_array/unpack_array live with the dtypes they allow (arrays.py).
 from statemachine.arrays import pack_array, unpack_array
-from statemachine.episode_codec import EPISODE_CODECS
+from statemachine.episode_codec import EPISODE_CODECS, EPISODE_UPCASTERS
 from statemachine.errors import (
     CorruptRecord,
     StateMachineError,
@@ -88,29 +88,37 @@ def _tokens_fields(e: TokensAppended) -> Fields:
         "weight_versions": pack_array(e.weight_versions),
         "routed_experts": None if e.routed_experts is None else pack_array(e.routed_experts),
         "nonfinite_logprobs": e.nonfinite_logprobs,
-        **_top_fields(e),
+        **_optional_fields(e),
     }
 
 
-def _top_fields(e: TokensAppended) -> Fields:
-    """The top-k arrays, only when the chunk has them: a chunk without them is stored as a v1
-    record, byte for byte what it was before they existed (``_tokens_version``)."""
-    if e.top_token_ids is None or e.top_logprobs is None:
+def _optional_fields(e: TokensAppended) -> Fields:
+    """The arrays only some chunks have, only when the chunk has them: a chunk with neither is
+    stored as a v1 record, byte for byte what it was before they existed; the top-k arrays
+    alone make it v2; observation routes make it v3, whose top-k keys are always present
+    (null without them: a v3 record is never upcast through v1) (``_tokens_version``)."""
+    obs, top_ids, top_lps = e.observation_routes, e.top_token_ids, e.top_logprobs
+    if obs is None and (top_ids is None or top_lps is None):
         return {}
-    return {
-        "top_token_ids": pack_array(e.top_token_ids),
-        "top_logprobs": pack_array(e.top_logprobs),
+    top = {
+        "top_token_ids": None if top_ids is None else pack_array(top_ids),
+        "top_logprobs": None if top_lps is None else pack_array(top_lps),
     }
+    return top if obs is None else {**top, "observation_routes": pack_array(obs)}
 
 
 def _tokens_version(e: TokensAppended) -> int:
-    """v2 only for a chunk with top-k arrays: a reader that predates them refuses such a record
-    (``UnsupportedSchema``) instead of reading it without its top-k."""
+    """v2 only for a chunk with top-k arrays, v3 only for one with observation routes: a reader
+    that predates them refuses such a record (``UnsupportedSchema``) instead of reading it
+    without them."""
+    if e.observation_routes is not None:
+        return 3
     return 1 if e.top_token_ids is None else 2
 
 
 def _tokens_from(f: Fields) -> Fields:
     routes, top_ids, top_lps = f["routed_experts"], f["top_token_ids"], f["top_logprobs"]
+    obs = f["observation_routes"]
     return {
         "attempt": f["attempt"],
         "offset": f["offset"],
@@ -121,6 +129,7 @@ def _tokens_from(f: Fields) -> Fields:
         "nonfinite_logprobs": f["nonfinite_logprobs"],
         "top_token_ids": None if top_ids is None else unpack_array(top_ids),
         "top_logprobs": None if top_lps is None else unpack_array(top_lps),
+        "observation_routes": None if obs is None else unpack_array(obs),
     }
 
 
@@ -145,7 +154,7 @@ REGISTRY: dict[str, _Codec] = {
     ),
     "started": (Started, 2, _attempt_fields, dict),
     "resumed": (Resumed, 2, _attempt_fields, dict),
-    "tokens_appended": (TokensAppended, 2, _tokens_fields, _tokens_from),
+    "tokens_appended": (TokensAppended, 3, _tokens_fields, _tokens_from),
     "aborted": (
         Aborted,
         3,
@@ -177,6 +186,11 @@ _NAME_OF: dict[type[Event], str] = {cls: name for name, (cls, *_rest) in REGISTR
 def _no_top_logprobs(f: Fields) -> Fields:
     """tokens_appended v1 -> v2: a v1 chunk has no top-k arrays (its request asked for none)."""
     return {**f, "top_token_ids": None, "top_logprobs": None}
+
+
+def _no_observation_routes(f: Fields) -> Fields:
+    """tokens_appended v2 -> v3: a v2 chunk has no observation routes (none were recorded)."""
+    return {**f, "observation_routes": None}
 
 
 def _queue_recorded(f: Fields) -> Fields:
@@ -250,10 +264,12 @@ UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {
     ("aborted", 1): _engine_dead_named,
     ("aborted", 2): dict,  # v3 adds a reason value, no field
     ("tokens_appended", 1): _no_top_logprobs,
+    ("tokens_appended", 2): _no_observation_routes,
     # These versions add values (an optional request field, reasons, classes), no field:
     ("submitted", 3): dict,
     ("finished", 1): dict,
     ("failed", 2): dict,
+    **EPISODE_UPCASTERS,
 }
 # Event types whose version depends on the event (the rest always write the current one).
 _VERSION_OF: dict[type[Event], Callable[[Any], int]] = {

@@ -39,7 +39,9 @@ class NewTokens:
 
     ``logprobs`` are as stored (non-finite values already clamped; ``nonfinite_logprobs``
     counts them); ``weight_versions`` has one entry per token; ``top_token_ids`` and
-    ``top_logprobs`` are ``[tokens, k]`` when the request asked for ``logprobs=k``."""
+    ``top_logprobs`` are ``[tokens, k]`` when the request asked for ``logprobs=k``;
+    ``observation_routes`` the prefill routes of the observation before them, on an episode
+    turn's first tokens only (``TokensAppended.observation_routes``)."""
 
     token_ids: npt.NDArray[np.int32]
     logprobs: npt.NDArray[np.float32]
@@ -48,6 +50,7 @@ class NewTokens:
     nonfinite_logprobs: int = 0
     top_token_ids: npt.NDArray[np.int32] | None = None
     top_logprobs: npt.NDArray[np.float32] | None = None
+    observation_routes: npt.NDArray[Any] | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -190,4 +193,5 @@ def _tokens(state: RolloutState, tokens: NewTokens, seq: int) -> TokensAppended:
         nonfinite_logprobs=tokens.nonfinite_logprobs,
         top_token_ids=tokens.top_token_ids,
         top_logprobs=tokens.top_logprobs,
+        observation_routes=tokens.observation_routes,
     )

@@ -17,9 +17,14 @@ from statemachine.errors import InvalidRequest
 
 DEFAULT_ENV_QUEUE = "default"
 MAX_ENV_QUEUE_LEN = 160
-# What store/keys.py allows in an id that names a key (its ID_CHARS, without the Unicode
-# spaces: a queue name is an operator's, ASCII in practice; the store checks it again).
-_ENV_QUEUE = re.compile(rf"[^{{}}:\s\x00-\x1f\x7f-\xa0]{{1,{MAX_ENV_QUEUE_LEN}}}")
+# What store/keys.py allows in an id that names a key: its ID_CHARS, character for character
+# (tests/store/test_episode_store.py holds them equal). A looser rule here let a submit take a
+# queue name (with U+FEFF, say) that the worker's append then refused, mid-episode.
+ENV_QUEUE_CHARS = (
+    r"[^{}:\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+    r"\ufeff]"
+)
+_ENV_QUEUE = re.compile(rf"{ENV_QUEUE_CHARS}{{1,{MAX_ENV_QUEUE_LEN}}}")
 
 
 class ToolEffect(StrEnum):

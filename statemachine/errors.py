@@ -73,6 +73,12 @@ class TopLogprobsMismatch(TransitionError):
     (or carry them when it asked for none, or lack them when it asked)."""
 
 
+class RoutesMismatch(TransitionError):
+    """Appended tokens carry observation routes that belong to no observation: the chunk does
+    not begin the turn right after a recorded result, or its rows are not one per token of
+    that observation."""
+
+
 class CodecError(StateMachineError):
     """A stored record cannot be decoded. Names the rollout and sequence number when known."""
 

@@ -137,6 +137,17 @@ class TokensAppended(Event):
     the k most likely tokens at each position, most likely first, and their raw logprobs (as
     vLLM's top-k list: the sampled token is among them when it ranks within k); both None
     when k is 0, which is what a record without them decodes as.
+
+    ``observation_routes`` is set only on an episode turn's first chunk, when the engine
+    returned the routes of that turn's prefill: ``[m, moe_layers, top_k]`` for the ``m`` tokens
+    of the observation just before it (the last call's result), under ``routed_experts``' row
+    convention (a token's row is the routing of the forward pass at the position before it).
+    The first row is therefore the forward over the previous turn's last sampled token, and
+    the routes of the chunk's own first token (the forward over the observation's last token)
+    stay in ``routed_experts``: one row per context token, none twice. The turn's engine
+    computed them all in its prefill, under the weights of the chunk's first token. None on
+    every other chunk, and wherever the engine returns no prefill routes (the rows are then
+    absent: ``RolloutState.context_routes``).
     """
 
     attempt: int
@@ -148,6 +159,7 @@ class TokensAppended(Event):
     nonfinite_logprobs: int = 0
     top_token_ids: npt.NDArray[np.int32] | None = None
     top_logprobs: npt.NDArray[np.float32] | None = None
+    observation_routes: npt.NDArray[Any] | None = None
 
     def __post_init__(self) -> None:
         Event.__post_init__(self)
@@ -173,6 +185,19 @@ class TokensAppended(Event):
             object.__setattr__(self, "routed_experts", routes)
         if self.top_token_ids is not None or self.top_logprobs is not None:
             self._check_top(n)
+        if self.observation_routes is not None:
+            self._check_observation_routes()
+
+    def _check_observation_routes(self) -> None:
+        routes = frozen_routes(self.observation_routes, "observation_routes")
+        if routes.shape[0] == 0:
+            raise InvalidEvent("observation_routes needs a row per observation token (none given)")
+        if self.routed_experts is not None and routes.shape[1:] != self.routed_experts.shape[1:]:
+            raise InvalidEvent(
+                f"observation_routes rows {routes.shape[1:]} but routed_experts rows "
+                f"{self.routed_experts.shape[1:]}: one model has one [layers, top_k]"
+            )
+        object.__setattr__(self, "observation_routes", routes)
 
     def _check_top(self, n: int) -> None:
         if self.top_token_ids is None or self.top_logprobs is None:
@@ -211,6 +236,7 @@ class TokensAppended(Event):
             and _same(self.routed_experts, other.routed_experts)
             and _same(self.top_token_ids, other.top_token_ids)
             and _bits(self.top_logprobs) == _bits(other.top_logprobs)
+            and _same(self.observation_routes, other.observation_routes)
         )
 
     __hash__ = None  # type: ignore[assignment]  # holds arrays

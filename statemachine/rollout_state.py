@@ -184,6 +184,48 @@ class RolloutState:
         return lps if not self.calls else self._interleave(lps, 0.0, LOGPROB_DTYPE)
 
     @property
+    def sampled_positions(self) -> npt.NDArray[np.int64]:
+        """Where each sampled token sits in ``context_token_ids``: after every observation
+        recorded at or before its offset (calls are in offset order; a turn's tokens follow
+        its observation)."""
+        positions = np.arange(self.num_tokens, dtype=np.int64)
+        for call in self.calls:
+            if call.observation_tokens:
+                positions[call.offset :] += call.observation_tokens
+        return positions
+
+    def context_routes(self) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_] | None]:
+        """The routed experts aligned with ``context_token_ids`` ``[tokens, layers, top_k]``
+        (in the widest dtype any chunk used), and which rows are present: a sampled token's
+        when its chunk carried routes, an observation's when the next turn's first chunk
+        carried the turn's prefill routes (``TokensAppended.observation_routes``). Absent rows
+        are zero. Placed chunk by chunk (not through ``routed_experts``' concatenation), so a
+        chunk without routes leaves its rows absent instead of shifting the rows after it.
+        ``(None, None)`` when no chunk carried routes (a dense model)."""
+        routed = [c for c in self.chunks if c.routed_experts is not None]
+        observed = [c for c in self.chunks if c.observation_routes is not None]
+        arrays = [c.routed_experts for c in routed] + [c.observation_routes for c in observed]
+        if not arrays:
+            return None, None
+        widest = max((a.dtype for a in arrays), key=lambda d: d.itemsize)  # type: ignore[union-attr]
+        length = self.context_tokens
+        routes = np.zeros((length, *arrays[0].shape[1:]), dtype=widest)  # type: ignore[union-attr]
+        present = np.zeros(length, dtype=np.bool_)
+        positions = self.sampled_positions
+        for chunk in routed:
+            at = positions[chunk.offset : chunk.offset + len(chunk)]
+            routes[at] = chunk.routed_experts
+            present[at] = True
+        for chunk in observed:
+            # The observation ends right where the chunk's first token sits.
+            end = int(positions[chunk.offset])
+            rows = chunk.observation_routes
+            assert rows is not None
+            routes[end - len(rows) : end] = rows
+            present[end - len(rows) : end] = True
+        return routes, present
+
+    @property
     def turns(self) -> tuple[tuple[int, int], ...]:
         """Each turn's sampled tokens as ``[start, end)`` of ``context_token_ids``: one per
         call (the turn that ended at it), then the turn after the last call if it is under way

@@ -21,6 +21,7 @@ from statemachine.errors import (
     ModelMismatch,
     NotAnEpisode,
     OffsetMismatch,
+    RoutesMismatch,
     SequenceGap,
     TopLogprobsMismatch,
 )
@@ -202,7 +203,24 @@ def _tokens(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
                 f"a context of {context} + {n} tokens exceeds max_total_tokens "
                 f"{episode.max_total_tokens}",
             )
+    if e.observation_routes is not None:
+        _check_observation_routes(s, e)
     return s.evolve(seq=e.seq, status=after, num_tokens=s.num_tokens + n, chunks=(*s.chunks, e))
+
+
+def _check_observation_routes(s: RolloutState, e: TokensAppended) -> None:
+    """Observation routes ride only on the first chunk of the turn after a recorded result
+    (its offset is the call's: no token of the turn before it), one row per observation
+    token. So a turn records them once, however many attempts it took."""
+    assert e.observation_routes is not None
+    last = s.calls[-1] if s.calls else None
+    if last is None or last.result is None or last.offset != e.offset:
+        why = "observation routes on a chunk that does not begin a turn after a tool result"
+        raise RoutesMismatch(e.rollout_id, e.seq, why)
+    rows, want = e.observation_routes.shape[0], last.observation_tokens
+    if rows != want:
+        why = f"{rows} observation-route rows for an observation of {want} tokens"
+        raise RoutesMismatch(e.rollout_id, e.seq, why)
 
 
 def _aborted(s: RolloutState | None, e: Event, after: Status) -> RolloutState:

@@ -38,23 +38,15 @@ from store.results import GroupResult, RolloutResult, Tokenizer
 from store.sessions import SessionCall
 from store.stats import Stats, read_stats
 from store.submission import Batch, ChatTemplater, Prompt
+from store.trajectory import Trajectory, load_trajectory
 from store.weights import WeightRegistry, WeightVersion
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
-__all__ = [
-    "AckReport",
-    "Batch",
-    "BatchConflict",
-    "RolloutClient",
-    "RolloutEnded",
-    "SessionCall",
-    "StoreUnwritable",
-    "SyncRolloutClient",
-    "UnknownPosition",
-    "WaitTimeout",
-]
+__all__ = ["AckReport", "Batch", "BatchConflict", "RolloutClient", "RolloutEnded", "SessionCall",
+           "StoreUnwritable", "SyncRolloutClient", "Trajectory", "UnknownPosition",
+           "WaitTimeout"]  # fmt: skip
 
 
 class RolloutClient:
@@ -72,8 +64,10 @@ class RolloutClient:
         self.store = EventStore(self.redis, keys)
         self.keys = self.store.keys
         self.weights = WeightRegistry(self.redis, keys)
-        # rq is synchronous: it gets its own (sync) connection, used from a thread.
-        self._queue = rollout_queue(connect_sync(url), queue_name)
+        # rq is synchronous: it gets its own (sync) connection, used from a thread (and shared
+        # by an EnvironmentClient beside this client, for its rq job templates: store.api).
+        self.sync_redis = connect_sync(url)
+        self._queue = rollout_queue(self.sync_redis, queue_name)
         self._jobs: JobWriter | None = None
         self.tokenizer = tokenizer
         self.retention_s = int(retention_s)
@@ -158,6 +152,11 @@ class RolloutClient:
         """A session's calls in the order they were made, with their rollouts' states; calls
         acknowledged or expired are left out (an unknown session has none)."""
         return await sessions.listing(self.redis, self.keys, session_id)
+
+    @named
+    async def trajectory(self, session_id: str) -> Trajectory:
+        """A session's calls as one trajectory with its loss mask (``store.trajectory``)."""
+        return await load_trajectory(self.redis, self.keys, session_id, self._results)
 
     # -- results ------------------------------------------------------------------------------
     @named_stream
@@ -430,6 +429,9 @@ class SyncRolloutClient:
 
     def session(self, session_id: str) -> list[SessionCall]:
         return self._call(self._client.session(session_id))
+
+    def trajectory(self, session_id: str) -> Trajectory:
+        return self._call(self._client.trajectory(session_id))
 
     def stats(self) -> Stats:
         return self._call(self._client.stats())

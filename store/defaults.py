@@ -45,14 +45,23 @@ REAP_INTERVAL_S = 1.0
 # a generation lease: a runner is a separate process, often in a sandbox farther from Redis.
 TOOL_LEASE_TTL_S = 15.0
 TOOL_HEARTBEAT_S = 3.0
+# How often each worker's reaper (and each environment runner) looks for lapsed tool leases.
+TOOL_SWEEP_S = TOOL_LEASE_TTL_S / 3
 # A call whose runner reports env_error is claimable again this many times; the failure after
 # that ends the episode (``episode_commands.fail_call``).
 TOOL_RETRIES = 2
-# How often a blocking claim looks at its environment queue again while it is empty: a claim
+# How often a blocking claim looks at its environment queue again while it is empty. A claim
 # must not take the entry off the queue (a runner dying between the pop and its append would
-# strand the call), so there is no blocking pop to wait on; 50 ms is a small share of a tool
-# call, and an idle runner's look is one ZRANGE.
-TOOL_CLAIM_POLL_S = 0.05
+# strand the call), so it waits on the queue's doorbell instead (``Keys.env_bell``: rung once
+# per call that becomes claimable, by the append itself) and wakes at once; this is only the
+# fallback look, for a ring another runner took (an idle runner's look is one ZRANGE).
+TOOL_CLAIM_POLL_S = 1.0
+# The longest a claim over HTTP waits for a call (``POST /v1/env/{queue}/claim``): a waiting
+# claim holds a connection and polls, and a runner's HTTP client times out on its own clock;
+# a runner that wants to wait longer asks again. A lease asked over HTTP is at most
+# TOOL_LEASE_MAX_S: a runner that never heartbeats must not hold a call for a day.
+API_CLAIM_WAIT_MAX_S = 30.0
+TOOL_LEASE_MAX_S = 3600.0
 # A rollout (or rq job) a reaper could not give back (its enqueue refused: Redis out of memory,
 # a damaged queue key) keeps its expired lease (or lapsed execution) and is tried again after
 # REAP_RETRY_S, doubling with each failure up to REAP_RETRY_MAX_S: never every pass, and the

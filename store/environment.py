@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from redis import Redis as SyncRedis
 from rq import Queue
@@ -37,7 +37,9 @@ from statemachine.tool_calls import ClaimEnd
 from store import defaults, scripts
 from store.errors import AppendRefused, ClaimLost, RolloutNotFound, SequenceConflict
 from store.event_store import EventStore
+from store.group_policy import cancel_siblings
 from store.queue import JobWriter, rollout_queue
+from store.tool_index import claim_fence
 
 # Entries of a queue looked at per claim, oldest first: more than one, so that a runner that
 # loses the race for the first (another runner claimed it) tries the next in the same look.
@@ -68,6 +70,18 @@ class ToolCallClaim:
     env_handle: str
     env_revision: str
     restore: bool
+
+
+class CallFence(Protocol):
+    """What a report about a call names: the call, and the claim it is made under. A
+    ``ToolCallClaim`` is one; so is what a runner over HTTP sends back (``store.api``)."""
+
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def call_id(self) -> str: ...
+    @property
+    def claim(self) -> int: ...
 
 
 def claim_of(state: RolloutState) -> ToolCallClaim:
@@ -123,7 +137,18 @@ class EnvironmentClient:
             left = deadline - time.monotonic()
             if got is not None or left <= 0:
                 return got
-            await asyncio.sleep(min(defaults.TOOL_CLAIM_POLL_S, left))
+            await self.wait([queue], left)
+
+    async def wait(self, queues: Sequence[str], timeout_s: float) -> None:
+        """Until a call may have become claimable on one of ``queues`` (its doorbell rang:
+        the append that makes a call claimable rings it), or ``TOOL_CLAIM_POLL_S`` (at most
+        ``timeout_s``) passed. A ring another runner took, or one lost with a restarted
+        Redis, costs a look, never a call. Measured on the episodes benchmark: polling every
+        50 ms instead left a call waiting 25 ms (median) per turn."""
+        # At least 10 ms: Redis reads a timeout that rounds to 0 ms as "block forever".
+        wait = max(0.01, min(defaults.TOOL_CLAIM_POLL_S, timeout_s))
+        bells = [self.store.keys.env_bell(q) for q in queues]
+        await self.store.redis.blpop(bells, timeout=wait)  # type: ignore[misc]  # async client
 
     async def _claim_once(self, queue: str, runner_id: str, lease_s: float) -> ToolCallClaim | None:
         key = self.store.keys.env_queue(queue)
@@ -156,7 +181,7 @@ class EnvironmentClient:
         return None
 
     async def heartbeat(
-        self, claims: Sequence[ToolCallClaim], lease_s: float | None = None
+        self, claims: Sequence[CallFence], lease_s: float | None = None
     ) -> list[bool]:
         """Renew the leases of ``claims`` in one round trip; for each, whether it is still
         live (False: lost, its runner should stop and drop it)."""
@@ -166,13 +191,13 @@ class EnvironmentClient:
         script_keys = [keys.tool_leases(), *(keys.snapshot(c.rollout_id) for c in claims)]
         args: list[scripts.Arg] = [int(1000 * (lease_s or self.lease_s))]
         for c in claims:
-            args += [c.rollout_id, c.claim]
+            args += [c.rollout_id, claim_fence(c.call_id, c.claim)]
         _, live = await scripts.TOOL_HEARTBEAT(self.store.redis, script_keys, args)
         return [bool(x) for x in live]
 
     async def record_result(
         self,
-        claim: ToolCallClaim,
+        claim: CallFence,
         observation_token_ids: Any,
         *,
         env_handle: str = "",
@@ -192,7 +217,7 @@ class EnvironmentClient:
         return await self._report(claim, events)
 
     async def record_failure(
-        self, claim: ToolCallClaim, failure: ToolFailure, error: str = "", seconds: float = 0.0
+        self, claim: CallFence, failure: ToolFailure, error: str = "", seconds: float = 0.0
     ) -> RolloutState:
         """Record that the claim failed (``ClaimLost`` if it is not live): ``env_error`` makes
         the call claimable again within its retries; ``env_fatal``, or an ``env_error``
@@ -204,10 +229,14 @@ class EnvironmentClient:
                 error=error, retries=self.retries, seconds=seconds, now=self.clock(),
             )  # fmt: skip
 
-        return await self._report(claim, events)
+        after = await self._report(claim, events)
+        if after.status is Status.FAILED:
+            # As any failure: under GroupPolicy.GROUP its group's other samples are cancelled.
+            await cancel_siblings(self.store, after)
+        return after
 
     async def _report(
-        self, claim: ToolCallClaim, events: Callable[[RolloutState], list[Event]]
+        self, claim: CallFence, events: Callable[[RolloutState], list[Event]]
     ) -> RolloutState:
         for _ in range(REPORT_TRIES):
             try:
@@ -246,7 +275,7 @@ class EnvironmentClient:
         return [scripts.Call(scripts.TURN_JOB, keys, args)]
 
 
-def _check_live(state: RolloutState, claim: ToolCallClaim) -> None:
+def _check_live(state: RolloutState, claim: CallFence) -> None:
     call = state.pending_call
     if state.status is not Status.RUNNING_TOOL or call is None:
         why = f"the episode is {state.status.value}, no claim is live"

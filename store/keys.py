@@ -167,6 +167,13 @@ class Keys:
         lua/tool_call_index.lua for what that asks of the write that keeps it)."""
         return f"{self.namespace}:env:{{{check_batch_id(queue)}}}:calls"
 
+    def env_bell(self, queue: str) -> str:
+        """An environment queue's doorbell (a list, capped): one entry pushed per call that
+        becomes claimable, popped by a runner blocked waiting for one (``BLPOP``), so a waiting
+        runner wakes at once instead of polling. In the queue's hash tag: the script that
+        indexes a call rings it in the same slot."""
+        return f"{self.namespace}:env:{{{check_batch_id(queue)}}}:bell"
+
     def tool_leases(self) -> str:
         """The lease index of every claimed tool call (a sorted set: member rollout id, score =
         expiry, unix ms by Redis's clock), as ``leases`` is for generation attempts: an

@@ -112,6 +112,14 @@ class Leases:
         await pipe.execute()
         return [None] * len(rollout_ids)
 
+    async def forget_many(self, rollout_ids: list[str]) -> list[None]:
+        """Take rollouts off this holder's set only: their leases went with the step that
+        ended their attempts (an episode's turn ending at a tool call, lua/tool_call_index.lua),
+        and the lease under their id now may be another worker's."""
+        if self.holder_key:
+            await self.redis.srem(self.holder_key, *rollout_ids)  # type: ignore[misc]
+        return [None] * len(rollout_ids)
+
     async def held_by(self, worker_id: str) -> list[str]:
         """The rollouts ``worker_id`` leased and did not drop (some may be leased by another
         worker since: the caller checks whose attempt is live)."""

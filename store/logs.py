@@ -21,6 +21,17 @@ from typing import Any
 
 LOG_FORMATS = ("text", "json")
 
+
+def add_log_format(parser: Any) -> None:
+    """Every service command's ``--log-format`` (an ``argparse`` parser)."""
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text for people, or json: one object per line for log shippers (default %(default)s)",
+    )
+
+
 # What every LogRecord has; anything else on a record came from ``extra=`` and is a field.
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
 

@@ -9,6 +9,8 @@ import numpy as np
 import numpy.typing as npt
 
 from statemachine import FailureClass, FinishReason, RolloutState, Status
+from store import episode_results
+from store.episode_results import EpisodeCall
 
 
 def version_segments(versions: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
@@ -57,6 +59,16 @@ class RolloutResult:
     # logprobs; None when the request asked for none.
     top_token_ids: npt.NDArray[np.int32] | None = None
     top_logprobs: npt.NDArray[np.float32] | None = None
+    # An episode's own (None for a plain rollout; store/episode_results.py): every array above
+    # then spans the whole context after the prompt, sampled and observation tokens in the
+    # order the engine was fed them. ``loss_mask`` (uint8) is 1 for a sampled token, 0 for an
+    # observation's; ``turns`` the ``[start, end)`` spans of each turn's sampled tokens;
+    # ``tool_calls`` each call with its claims, outcome and where its observation starts;
+    # ``routes_present`` (bool, with ``routed_experts``) which rows hold routes.
+    loss_mask: npt.NDArray[np.uint8] | None = None
+    turns: tuple[tuple[int, int], ...] | None = None
+    tool_calls: tuple[EpisodeCall, ...] | None = None
+    routes_present: npt.NDArray[np.bool_] | None = None
 
     @property
     def stale(self) -> bool:
@@ -70,8 +82,10 @@ class RolloutResult:
     @property
     def version_segments(self) -> list[tuple[int, int, int]]:
         """``(version, start, end)`` runs of response tokens sampled by one weight version,
-        ``end`` exclusive: ``[(3, 0, 120), (4, 120, 256)]`` for an update after token 120."""
-        return version_segments(self.weight_versions)
+        ``end`` exclusive: ``[(3, 0, 120), (4, 120, 256)]`` for an update after token 120.
+        An episode's observation tokens (version -1) are in no segment: a segment is sampled."""
+        segments = version_segments(self.weight_versions)
+        return segments if self.loss_mask is None else [s for s in segments if s[0] >= 0]
 
     @classmethod
     def unreadable(cls, rollout_id: str, error: str, position: str = "") -> RolloutResult:
@@ -102,7 +116,20 @@ class RolloutResult:
     def from_state(
         cls, state: RolloutState, tokenizer: Tokenizer | None = None, position: str = ""
     ) -> RolloutResult:
-        ids = state.token_ids
+        # An episode's arrays span its whole context, with its own fields beside them.
+        per_token: dict[str, Any] = (
+            episode_results.fields(state)
+            if state.request.episode is not None
+            else {
+                "response_token_ids": state.token_ids,
+                "logprobs": state.logprobs,
+                "weight_versions": state.weight_versions,
+                "routed_experts": state.routed_experts,
+                "top_token_ids": state.top_token_ids,
+                "top_logprobs": state.top_logprobs,
+            }
+        )
+        ids = per_token["response_token_ids"]
         # Decoding all ids at once (not joining per-chunk texts) keeps multi-byte characters
         # and merges across checkpoint or resume boundaries intact.
         text = tokenizer.decode(ids.tolist(), skip_special_tokens=True) if tokenizer else None
@@ -110,10 +137,6 @@ class RolloutResult:
             rollout_id=state.rollout_id,
             status=state.status,
             prompt_token_ids=state.request.prompt_token_ids,
-            response_token_ids=ids,
-            logprobs=state.logprobs,
-            weight_versions=state.weight_versions,
-            routed_experts=state.routed_experts,
             finish_reason=state.finish_reason,
             stop_reason=state.stop_reason,
             text=text,
@@ -131,8 +154,7 @@ class RolloutResult:
             sample_index=state.membership.sample_index,
             group_size=state.membership.group_size,
             position=position,
-            top_token_ids=state.top_token_ids,
-            top_logprobs=state.top_logprobs,
+            **per_token,
         )
 
 

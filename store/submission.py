@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import msgpack
 
 from statemachine import (
+    EpisodeSpec,
     GroupPolicy,
     InvalidRequest,
     Membership,
@@ -47,6 +48,9 @@ class ChatRequest:
     sampling: SamplingParams | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     max_staleness: int | None = None
+    # A multi-turn episode from these messages: they are templated once, here; what each tool
+    # call's observation adds (template tokens included) is its environment's to tokenize.
+    episode: EpisodeSpec | None = None
 
 
 Prompt = RolloutRequest | ChatRequest
@@ -244,6 +248,7 @@ def _from_chat(
         sampling=sampling,
         metadata=dict(prompt.metadata),
         max_staleness=prompt.max_staleness,
+        episode=prompt.episode,
     )
 
 

@@ -1,6 +1,7 @@
 """A rollout's history as an operator reads it: its events folded into a short timeline.
 
-One entry per event that matters (submitted, each attempt's start or resume, aborts, the end);
+One entry per event that matters (submitted, each attempt's start or resume, aborts, an
+episode's tool calls and their claims, the end);
 the token chunks of an attempt are summarized in one entry (tokens per weight version, how
 many checkpoints), not a line per chunk. Pure: it reads only the events it is given, so the
 same log always gives the same timeline, and ``rollouts show`` needs nothing but ``events``.
@@ -23,6 +24,11 @@ from statemachine import (
     Started,
     Submitted,
     TokensAppended,
+    ToolCallClaimed,
+    ToolCallFailed,
+    ToolCallLost,
+    ToolCallRequested,
+    ToolResultRecorded,
     fold,
 )
 
@@ -31,9 +37,11 @@ from statemachine import (
 class Entry:
     """One line of the timeline. ``tokens`` is, by kind: ``checkpoints``: tokens saved in
     this run of chunks; ``resumed``: the saved tokens it continued from; ``aborted``: tokens
-    saved when it stopped; ``finished``/``failed``/``cancelled``: tokens in total."""
+    saved when it stopped; ``finished``/``failed``/``cancelled``: tokens in total;
+    ``tool_requested``: tokens sampled before the call; ``tool_result``: the observation's."""
 
-    # submitted | started | resumed | checkpoints | aborted | finished | failed | cancelled
+    # submitted | started | resumed | checkpoints | aborted | finished | failed | cancelled,
+    # and an episode's tool_requested | tool_claimed | tool_result | tool_failed | tool_lost
     kind: str
     seq: int  # the (first) event's position in the log
     at: float  # the (first) event's time
@@ -47,8 +55,11 @@ class Entry:
     # checkpoints: when each weight version's first token was saved (where a picture of the
     # attempt changes color: `keep` mode swaps weights under a live attempt)
     version_from: dict[int, float] = field(default_factory=dict)
-    reason: str = ""  # abort reason, finish reason, failure class
-    detail: str = ""  # abort detail, stop reason, error, cancel reason
+    reason: str = ""  # abort reason, finish reason, failure class, tool name, lost decision
+    detail: str = ""  # abort detail, stop reason, error, cancel reason, a call's arguments
+    call_id: str | None = None  # an episode's tool events
+    claim: int | None = None
+    runner_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,18 +182,40 @@ def _entry(e: Event, saved: int) -> Entry:
                      detail=e.error, **base)  # fmt: skip
     if isinstance(e, Cancelled):
         return Entry(kind="cancelled", tokens=saved, detail=e.reason, **base)
+    if isinstance(e, ToolCallRequested | ToolCallClaimed | ToolResultRecorded | ToolCallFailed
+                  | ToolCallLost):  # fmt: skip
+        return _tool_entry(e, base)
     # An event type added to the domain but not here yet: shown by name, not dropped.
     return Entry(kind=type(e).__name__.lower(), **base)
+
+
+def _tool_entry(e: Event, base: dict[str, Any]) -> Entry:
+    if isinstance(e, ToolCallRequested):
+        return Entry(kind="tool_requested", attempt=e.attempt, tokens=e.offset, reason=e.name,
+                     detail=e.arguments, call_id=e.call_id, **base)  # fmt: skip
+    if isinstance(e, ToolCallClaimed):
+        return Entry(kind="tool_claimed", call_id=e.call_id, claim=e.claim,
+                     runner_id=e.runner_id, **base)  # fmt: skip
+    if isinstance(e, ToolResultRecorded):
+        return Entry(kind="tool_result", call_id=e.call_id, claim=e.claim, tokens=len(e),
+                     **base)  # fmt: skip
+    if isinstance(e, ToolCallFailed):
+        return Entry(kind="tool_failed", call_id=e.call_id, claim=e.claim,
+                     reason=e.failure.value, detail=e.error, **base)  # fmt: skip
+    assert isinstance(e, ToolCallLost)
+    return Entry(kind="tool_lost", call_id=e.call_id, claim=e.claim, reason=e.decision.value,
+                 detail=e.detail, **base)  # fmt: skip
 
 
 def _entry_dict(e: Entry) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": e.kind, "seq": e.seq, "at": e.at}
     optional = {
         "until": e.until, "attempt": e.attempt, "worker_id": e.worker_id,
-        "weight_version": e.weight_version,
+        "weight_version": e.weight_version, "call_id": e.call_id, "claim": e.claim,
+        "runner_id": e.runner_id,
     }  # fmt: skip
     out.update({k: v for k, v in optional.items() if v is not None})
-    if e.kind not in {"submitted", "started"}:
+    if e.kind not in {"submitted", "started", "tool_claimed", "tool_failed", "tool_lost"}:
         out["tokens"] = e.tokens
     if e.kind == "checkpoints":
         out["checkpoints"] = e.checkpoints

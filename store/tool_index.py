@@ -17,23 +17,34 @@ from store.keys import Keys
 from store.prepared import _Prepared
 
 
-def live_claim(state: RolloutState) -> int:
-    """The live claim of the episode's pending call, 0 when none is live."""
+def claim_fence(call_id: str, claim: int) -> str:
+    """A live claim as the snapshot's ``tc`` holds it for ``lua/tool_heartbeat.lua``: the claim
+    number and the call. Numbers count per call (the next call's first claim is 1 again), so
+    the number alone would let a zombie runner of an earlier call renew the next call's lease
+    and be told it is live. The number first: a call id may hold any character."""
+    return f"{claim} {call_id}"
+
+
+def live_claim(state: RolloutState) -> str:
+    """The fence of the episode's pending call's live claim, "0" when none is live."""
     call = state.pending_call
-    return 0 if call is None else call.live_claim
+    if call is None or not call.live_claim:
+        return "0"
+    return claim_fence(call.call_id, call.live_claim)
 
 
 def index_call(keys: Keys, calls: Sequence[_Prepared], lease_ms: int) -> scripts.Call | None:
     """The step that follows one round's append script: ``lua/tool_call_index.lua`` over the
     episodes' events of ``calls`` (None when there is none, the plain rollouts' case).
     ``lease_ms``: the lease a claim landing in the round gets."""
-    script_keys: list[str] = [keys.tool_leases()]
+    script_keys: list[str] = [keys.tool_leases(), keys.leases()]
     args: list[scripts.Arg] = [lease_ms]
     for p in calls:
         episode = p.state.request.episode
         if episode is None:
             continue
-        script_keys += [p.keys[1], keys.env_queue(episode.env_queue)]
+        q = episode.env_queue
+        script_keys += [p.keys[1], keys.env_queue(q), keys.env_bell(q)]
         args += [p.event.rollout_id, p.event.seq, p.head, live_claim(p.state)]
     if len(args) == 1:
         return None

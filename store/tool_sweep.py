@@ -2,10 +2,12 @@
 stalled or lost its connection) end in ``ToolCallLost``, and the tool's declared effect
 decides what follows (``episode_commands.lose_call``): ``idempotent`` and ``restore`` put the
 call back on its queue (the next claim carries the last result's revision to restore),
-``restart`` fails the episode with ``effect_unverified``.
+``restart`` fails the episode with ``effect_unverified`` (and, under ``GroupPolicy.GROUP``,
+cancels its group's other samples, as any failure does: ``store.group_policy``).
 
-To be run by every worker's reaper each pass once workers generate episodes' turns (not yet
-wired: a worker runs no episode today); several at once are safe:
+Run by every environment runner (``rollouts env``, ``workers/env/upkeep.py``) and every
+worker's reaper (every ``TOOL_SWEEP_S``), so a dead runner's calls are recovered whoever
+serves the tools (runners, or a harness over HTTP). Several sweepers at once are safe:
 the ``ToolCallLost`` append is fenced by seq, so exactly one sweeper records it, and a lease
 is acted on only while it is the one the sweeper saw expire (a heartbeat or a new claim
 since changes its expiry).
@@ -21,6 +23,7 @@ from statemachine import Status, episode_commands
 from store import defaults, scripts
 from store.errors import AppendRefused, RolloutNotFound
 from store.event_store import EventStore
+from store.group_policy import cancel_siblings
 from store.logs import log_event
 
 log = logging.getLogger("rollouts.tool_sweep")
@@ -81,4 +84,6 @@ async def _lose(store: EventStore, rid: str, expiry: int, clock: Callable[[], fl
         f"episode {after.status.value}",
         rollout_id=rid, call_id=call.call_id, claim=call.live_claim, lost_runner=runner,
     )  # fmt: skip
+    if after.status is Status.FAILED:
+        await cancel_siblings(store, after)
     return True

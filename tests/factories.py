@@ -77,8 +77,10 @@ def tokens(
     offset: int | None = None,
     seq: int | None = None,
     top: int | None = None,
+    observed: int = 0,
 ) -> TokensAppended:
-    """``top``: the width of top-k arrays (default: what the request asked, ``logprobs``)."""
+    """``top``: the width of top-k arrays (default: what the request asked, ``logprobs``);
+    ``observed``: rows of observation routes (0: none), shaped as ``routes``' rows."""
     ids = list(range(100 + s.num_tokens, 100 + s.num_tokens + n)) if ids is None else ids
     k = len(ids)
     width = s.request.sampling.logprobs if top is None else top
@@ -100,6 +102,9 @@ def tokens(
         top_logprobs=None
         if top_ids is None
         else -np.arange(1, width + 1, dtype=np.float32)[None, :].repeat(k, 0) / 10,
+        observation_routes=(
+            (np.arange(observed * 4).reshape(observed, 2, 2) + 3) % 8 if observed else None
+        ),
     )
 
 

@@ -33,13 +33,21 @@ def _configure_make_tiny_model(parser: argparse.ArgumentParser) -> None:
         "--moe", action="store_true", help="Qwen3-MoE (8 experts, top-2), not dense (a switch)"
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument(
+        "--tool-turn",
+        type=int,
+        default=0,
+        metavar="K",
+        help="the model says a fixed K-token turn ending at a tool-call token (id 1000+K-1) "
+        "after any other token: episodes on it call a tool every K tokens (default 0: off)",
+    )
 
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
     # Lazy: torch and transformers take seconds to import; `rollouts --help` should not.
     from workers.demo.tiny_model import make_tiny_model  # noqa: PLC0415
 
-    path = make_tiny_model(args.dir, moe=args.moe, seed=args.seed)
+    path = make_tiny_model(args.dir, moe=args.moe, seed=args.seed, tool_turn=args.tool_turn)
     print(path)
     return 0
 
@@ -73,6 +81,11 @@ COMMANDS: tuple[Command, ...] = (
         "worker",
         "run a worker: a resident engine generating up to N rollouts at once from rq",
         "workers.worker_cli",
+    ),
+    _command(
+        "env",
+        "run an environment runner: serve Python tools for episodes' tool calls",
+        "workers.env.cli",
     ),
     _command(
         "api",
@@ -157,7 +170,7 @@ def _describe(exc: Exception) -> str:
 
 
 # Commands that run until stopped, under a supervisor whose log is all there is after a crash.
-SERVICES = frozenset({"worker", "api", "demo"})
+SERVICES = frozenset({"worker", "env", "api", "demo"})
 
 
 def _foreseen(exc: Exception) -> bool:

@@ -2,8 +2,8 @@
 
 Every ``Failed`` a worker records goes through ``record_failure``: the append (after any
 events that must precede it in the same atomic chain, e.g. the ``Aborted`` of a lost worker),
-then, under ``GroupPolicy.GROUP``, the cancel of the failed sample's siblings (a group with a
-hole is useless to a GRPO trainer, so their generation would only waste the fleet).
+then, under ``GroupPolicy.GROUP``, the cancel of the failed sample's siblings
+(``store.group_policy``: an environment's failure of an episode applies it too).
 
 The worker-lost budget lives here too: a rollout whose workers keep dying under it (a poison
 prompt that OOM-kills every worker it lands on) fails with ``FailureClass.WORKER_LOST`` after
@@ -20,14 +20,12 @@ from statemachine import (
     AbortReason,
     Event,
     FailureClass,
-    GroupPolicy,
     RolloutState,
     apply,
     commands,
 )
 from store import EventStore
-from store.batches import info_async
-from store.lifecycle import cancel
+from store.group_policy import cancel_siblings
 from store.logs import log_event
 
 log = logging.getLogger("rollouts.failures")
@@ -70,28 +68,3 @@ async def record_failure(
     )  # fmt: skip
     await cancel_siblings(store, done)
     return done
-
-
-async def cancel_siblings(store: EventStore, failed: RolloutState) -> list[str]:
-    """Under ``GroupPolicy.GROUP``, cancel the other samples of a failed rollout's group that
-    have not ended (their saved tokens stay). Returns the ids cancelled. Best effort: a Redis
-    error is logged, not raised, as the failure itself is recorded and the trainer sees it."""
-    m = failed.membership
-    if m.group_policy is not GroupPolicy.GROUP or not m.batch_id or m.group_size < 2:
-        return []
-    try:
-        info = await info_async(store.redis, store.keys, m.batch_id)
-        if info is None:
-            return []  # the batch was acknowledged or expired: nothing left to cancel
-        siblings = [rid for rid in info.group_ids(m.group_index) if rid != failed.rollout_id]
-        kind = failed.failure.value if failed.failure is not None else "failed"
-        why = f"group policy: sibling {failed.rollout_id} failed ({kind}: {failed.error})"
-        cancelled = await cancel(store, siblings, why, refuse_ended=False)
-    except Exception:
-        # Redis unreachable (a sibling acknowledged already is skipped, not an error): the
-        # siblings run on; the trainer still sees this sample's failure.
-        log.warning("rollout %s: cannot cancel its group", failed.rollout_id, exc_info=True)
-        return []
-    if cancelled:
-        log.info("rollout %s failed: cancelled its group's %s", failed.rollout_id, cancelled)
-    return cancelled

@@ -15,13 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
-from statemachine import AbortReason, FailureClass, FinishReason, RolloutState, Status, commands
+from statemachine import (
+    AbortReason,
+    FailureClass,
+    FinishReason,
+    RolloutState,
+    Status,
+    commands,
+    episode_commands,
+)
 from statemachine.arrays import clamp_logprobs
 from statemachine.commands import NewTokens
 from store import EventStore
 from store.logs import log_event
+from workers import turns
 from workers.checkpoint import Checkpointer
 from workers.engines.base import Chunk, Engine, EngineRequest, Joined, StepEngine, join_chunks
 from workers.engines.errors import EngineDead, EngineError, RequestAborted, RequestRejected
@@ -32,6 +43,7 @@ from workers.places import EnginePlace
 from workers.stepper import Stepper, Track
 
 log = logging.getLogger("rollouts.runner")
+_UNSET: Any = object()
 
 
 @dataclass(slots=True)
@@ -42,6 +54,7 @@ class Attempt:
     request_id: str | None = None  # the engine request, once there is one
     stop: tuple[AbortReason, str] | None = None  # why ``stop`` was asked, if it was
     freed: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when ``run`` returns
 
     def nearly_free(self) -> None:
         if self.place is not None:
@@ -77,11 +90,27 @@ class Generation:
         self.stats = stats
         self.prefetch_tokens = prefetch_tokens
         self.stepper: Stepper | None = None
+        self._tokenizer: Any = _UNSET  # looked up at the first episode that needs it
         if stepped if stepped is not None else offers_steps(engine):
             assert isinstance(engine, StepEngine), f"{type(engine).__name__} has no steps"
             self.stepper = Stepper(
                 engine, checkpointer, self._new_tokens, self._saved, ahead=prefetch_tokens
             )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, for an episode's tool-call parser: the engine's own where it
+        has one (the CPU engine), else loaded from the engine's model directory once; None
+        when neither is there (vLLM servers whose model directory is not mounted here)."""
+        if self._tokenizer is _UNSET:
+            self._tokenizer = turns.engine_tokenizer(self.engine)
+        return self._tokenizer
+
+    def _parser_tokenizer(self, state: RolloutState) -> Any:
+        """The tokenizer, for an episode that names a tool-call parser only (loading one takes
+        seconds: never for a plain rollout)."""
+        episode = state.request.episode
+        return None if episode is None or episode.parser is None else self.tokenizer
 
     async def abort_request(self, request_id: str) -> None:
         if self.stepper is not None:
@@ -91,11 +120,16 @@ class Generation:
 
     async def generate(self, state: RolloutState, attempt: Attempt) -> RunResult:
         rid = state.rollout_id
+        tokenizer = self._parser_tokenizer(state)
+        unserved = turns.unserved_parser(state, tokenizer)
+        if unserved is not None:
+            return await self._reject(state, None, RequestRejected(unserved))
         request = EngineRequest(
             request_id=f"{rid}#{state.attempt}",
             prompt_token_ids=state.resume_prompt(),
-            sampling=state.resume_sampling(),
-            resumed_tokens=state.num_tokens,
+            sampling=turns.turn_sampling(state, tokenizer),
+            resumed_tokens=turns.turn_tokens(state),
+            prompt_routes_from=turns.observation_routes_from(state),
         )
         limits = self.engine.limits
         try:
@@ -162,10 +196,9 @@ class Generation:
         last = buffer[-1] if buffer else None
         if last is None or last.finish_reason is None:
             raise EngineError(f"engine stream for {rid} ended without a finish reason")
-        done = await self.finish(
+        return await self.end_turn(
             attempt, state, _joined(buffer), last.finish_reason, last.stop_reason
         )
-        return RunResult(Outcome.FINISHED, done)
 
     async def _generate_stepped(
         self, state: RolloutState, attempt: Attempt, request: EngineRequest, stepper: Stepper
@@ -193,8 +226,7 @@ class Generation:
                 stepper.release(track)
             raise
         assert end.finish_reason is not None  # an End without an error is a finish
-        done = await self.finish(attempt, state, rest, end.finish_reason, end.stop_reason)
-        return RunResult(Outcome.FINISHED, done)
+        return await self.end_turn(attempt, state, rest, end.finish_reason, end.stop_reason)
 
     async def _ended_by(
         self, exc: EngineError, state: RolloutState, rest: Joined | None, attempt: Attempt
@@ -244,6 +276,53 @@ class Generation:
 
     def _saved(self) -> None:
         self.stats.checkpoints += 1
+
+    async def end_turn(
+        self,
+        attempt: Attempt,
+        state: RolloutState,
+        rest: Joined | None,
+        reason: FinishReason,
+        stop_reason: int | str | None,
+    ) -> RunResult:
+        """The engine ended the attempt's stream with ``reason``: an episode's turn that
+        stopped at a tool call records the call, anything else finishes the rollout."""
+        episode = state.request.episode
+        if reason is FinishReason.LENGTH:
+            reason = turns.length_reason(state, 0 if rest is None else len(rest.token_ids))
+        call = None
+        tokenizer = self._parser_tokenizer(state)
+        if episode is not None and turns.stopped_at_call(episode, reason, stop_reason, tokenizer):
+            assert stop_reason is not None  # stopped_at_call says so
+            turn = state.token_ids[state.num_tokens - turns.turn_tokens(state) :].tolist()
+            if rest is not None:
+                turn += rest.token_ids.tolist()
+            call = turns.call_of(episode, stop_reason, turn, tokenizer)
+        if call is None:
+            return RunResult(
+                Outcome.FINISHED, await self.finish(attempt, state, rest, reason, stop_reason)
+            )
+        name, arguments = call
+        tokens = None if rest is None else self._new_tokens(rest)
+        events = episode_commands.request_call(
+            state, name=name, arguments=arguments, tokens=tokens, now=time.time()
+        )
+        attempt.free_engine()  # as a finish frees it: the turn is over for the engine
+        done = await self.checkpointer.append(state, events)
+        self.stats.tool_calls += 1
+        if done.terminal:  # a budget left the call no use: the episode ended with it
+            self.stats.end(done.status)
+        made = done.calls[-1]
+        log_event(
+            log, logging.INFO, "tool_call",
+            f"rollout {done.rollout_id} attempt {done.attempt}: turn {made.turn + 1} ended at "
+            f"tool call {made.call_id} ({made.name}) after {len(turn)} tokens; "
+            f"{done.status.value}",
+            rollout_id=done.rollout_id, attempt=done.attempt, worker=self.worker_id,
+            call_id=made.call_id, tool=made.name, tokens=done.num_tokens,
+            status=done.status.value,
+        )  # fmt: skip
+        return RunResult(Outcome.TOOL_CALL, done)
 
     async def finish(
         self,
@@ -306,6 +385,7 @@ class Generation:
             nonfinite_logprobs=nonfinite,
             top_token_ids=joined.top_token_ids,
             top_logprobs=top,
+            observation_routes=joined.prompt_routes,
         )
 
 

@@ -14,6 +14,7 @@ from statemachine import AbortReason, FailureClass, RolloutState, Status
 
 class Outcome(StrEnum):
     FINISHED = "finished"  # done now (or was already terminal when the job ran)
+    TOOL_CALL = "tool_call"  # an episode's turn ended at a tool call, recorded; the job is done
     ENGINE_ERROR = "engine_error"  # progress kept, attempt aborted; the worker retries or fails it
     ABORTED = "aborted"  # stopped on request (shutdown, weight update, pause); progress kept
     LOST = "lost"  # another writer took the rollout over (fenced out); nothing more to do
@@ -43,6 +44,7 @@ class Stats:
     engine_dead: str | None = None  # why the engine died, if it did (the worker then stops)
     aborts: dict[str, int] = field(default_factory=dict)  # Aborted events appended, by reason
     resumes: int = 0  # attempts begun from saved tokens
+    tool_calls: int = 0  # episode turns that ended at a tool call (ToolCallRequested appended)
     takeovers: int = 0  # live attempts of a worker whose lease lapsed, fenced out by this one
     ended: dict[str, int] = field(default_factory=dict)  # rollouts ended here, by status
     failures: dict[str, int] = field(default_factory=dict)  # of those failed, by class

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 from redis import Redis as SyncRedis
@@ -54,6 +55,7 @@ from store.leases import Leases
 from store.logs import log_event
 from store.presence import PresenceWatch
 from store.queue import JobWriter, give_back, rollout_queue
+from store.tool_sweep import sweep_lost_calls
 from workers.backoff import Backoff
 from workers.failures import record_failure, worker_lost_aborts
 from workers.outcomes import Stats
@@ -103,6 +105,11 @@ class Reaper:
         self.recovered = 0
         self.quarantined = 0
         self.recovered_gone = 0  # of ``recovered``: rollouts of workers whose process was gone
+        self.lost_calls = 0  # tool calls whose environment runner was lost (store.tool_sweep)
+        # Lost runners' calls are swept every TOOL_SWEEP_S, not every pass: a runner's lease is
+        # 15 s, so a pass a second would add a script call per worker per second for nothing.
+        self.tool_sweep_s = defaults.TOOL_SWEEP_S
+        self._swept_at = float("-inf")
         # True while the reaper must leave every lease alone: its worker sees Redis refusing
         # writes, or saw it too recently for the lapsed leases' workers to have renewed them
         # (``StoreCondition.settling``). Nobody can renew a lease during such an episode, so a
@@ -139,6 +146,7 @@ class Reaper:
                 if not self._refused(exc, "reaper"):
                     log.warning("rollout %s: reaping failed; retrying in %.1f s", rid, delay,
                                 exc_info=True)  # fmt: skip
+        await self._sweep_tool_calls()
         if self.jobs is not None:
             try:
                 for job_id in await self.jobs.requeue_abandoned():
@@ -149,6 +157,19 @@ class Reaper:
                     log.warning("sweep of abandoned jobs failed", exc_info=True)
         self.recovered += len(given_back)
         return given_back
+
+    async def _sweep_tool_calls(self) -> None:
+        """Lost environment runners: their calls' effects are decided here too (every
+        ``tool_sweep_s``), so a deployment recovers them whether or not its runners sweep."""
+        if time.monotonic() - self._swept_at < self.tool_sweep_s:
+            return
+        try:
+            self.lost_calls += len(await sweep_lost_calls(self.store))
+            self._swept_at = time.monotonic()
+        except Exception as exc:
+            # Redis hiccup: the lapsed tool leases are still there next time.
+            if not self._refused(exc, "reaper"):
+                log.warning("sweep of lost tool calls failed", exc_info=True)
 
     async def _reap_or_quarantine(self, rid: str, expiry: int) -> bool:
         try:

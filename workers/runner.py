@@ -14,21 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from statemachine import (
+    AT_TOOL,
     LIVE,
     AbortReason,
     FailureClass,
-    FinishReason,
     RolloutState,
     Status,
     commands,
+    episode_commands,
 )
 from statemachine.errors import ModelMismatch
 from store import AppendRefused, EventStore, defaults
 from store.coalesce import Coalescer
 from store.leases import Leases
 from store.logs import log_event
+from workers import turns
 from workers.checkpoint import Cadence, Checkpointer
 from workers.engines.base import Engine
 from workers.engines.inflight import context_full
@@ -93,6 +96,7 @@ class RolloutRunner:
                 lambda ids: leases.take_many(ids, self.lease_ttl_s)
             )
             self._drop = Coalescer(leases.drop_many)
+            self._forget = Coalescer(leases.forget_many)
         self.max_worker_lost = max_worker_lost
         self.prefetch_tokens = prefetch_tokens
         # What every attempt records as its model; the engine's own identity unless the
@@ -151,18 +155,35 @@ class RolloutRunner:
         lease, rq's books) need not keep the next rollout off the engine. ``queue``: the queue
         its job came from; a job from any other queue than the rollout's own is refused
         (``WRONG_QUEUE``)."""
-        if rollout_id in self._attempts:
-            # rq delivered the job again to this very worker (its execution looked
-            # abandoned to a sweep, e.g. stamped by this host's clock stepped back): a
-            # duplicate. The record stays the live run's: the heartbeat renews the leases of
-            # the rollouts recorded here, and a stop reaches the run through it. Replaced and
-            # then deleted by this copy, the live run's lease lapsed and was reaped.
-            return RunResult(Outcome.DUPLICATE, await self._load(rollout_id))
+        while (previous := self._attempts.get(rollout_id)) is not None:
+            state = await self._load(rollout_id)
+            if state.status is not Status.NEXT_TURN:
+                # rq delivered the job again to this very worker (its execution looked
+                # abandoned to a sweep, e.g. stamped by this host's clock stepped back): a
+                # duplicate. The record stays the live run's: the heartbeat renews the leases
+                # of the rollouts recorded here, and a stop reaches the run through it.
+                # Replaced and then deleted by this copy, the live run's lease lapsed and was
+                # reaped.
+                return RunResult(Outcome.DUPLICATE, state)
+            # An episode's next turn, whose job came (a quick tool's result pushes it) while
+            # the last turn's run still winds up here: not a duplicate, the turn to run next.
+            await previous.ended.wait()
         attempt = self._attempts[rollout_id] = Attempt(place)
         self._idle.clear()
         try:
             result = await self._run(rollout_id, queue, attempt)
-            if self.leases is not None and (
+            if (
+                self.leases is not None
+                and result.outcome is Outcome.TOOL_CALL
+                and (result.state.status in AT_TOOL)
+            ):
+                # A turn that ended at a tool call: its lease went in the step that ended it
+                # (lua/tool_call_index.lua), and whatever holds one under this id now holds the
+                # next turn's. Only this worker's set still names it.
+                await self.condition.until_written(
+                    lambda: self._forget(rollout_id), "lease drop", proves=False
+                )
+            elif self.leases is not None and (
                 result.outcome not in _NOT_OURS or result.state.terminal
             ):
                 # Our attempt is over: the lease goes before the job is handed back, so that the
@@ -174,13 +195,14 @@ class RolloutRunner:
                 )
             return result
         finally:
+            attempt.ended.set()
             if self._attempts.get(rollout_id) is attempt:  # not a later run's record
                 del self._attempts[rollout_id]
             if not self._attempts:
                 self._idle.set()
 
-    async def _run(self, rollout_id: str, queue: str | None, attempt: Attempt) -> RunResult:
-        state = await self._load(rollout_id)
+    def _not_to_run(self, state: RolloutState, queue: str | None) -> RunResult | None:
+        """Why this job is not to be run here, judged before anything is written."""
         if state.terminal:
             return RunResult(Outcome.FINISHED, state)  # a duplicate or late job: nothing to do
         if queue is not None and queue != state.queue:
@@ -193,6 +215,17 @@ class RolloutRunner:
             # Checked before the lease and the attempt: a refusal writes nothing. The domain
             # refuses the attempt too (ModelMismatch), should a stale view slip past this.
             return RunResult(Outcome.WRONG_MODEL, state, _wrong_model(state.model, self.model_id))
+        if state.status in AT_TOOL:
+            # An episode waiting on its tool call has no turn to run until the result is
+            # recorded (which pushes the next turn's job): this job is a stale duplicate.
+            return RunResult(Outcome.DUPLICATE, state)
+        return None
+
+    async def _run(self, rollout_id: str, queue: str | None, attempt: Attempt) -> RunResult:
+        state = await self._load(rollout_id)
+        refused = self._not_to_run(state, queue)
+        if refused is not None:
+            return refused
         if state.too_stale(self.engine.weight_version):
             return await self._cancel_stale(state)
         if self.leases is not None:
@@ -210,6 +243,14 @@ class RolloutRunner:
                 spent = await self._worker_lost_budget_spent(state)
                 if spent is not None:
                     return spent
+            if state.status is Status.NEXT_TURN:
+                # A budget may have run out while the episode waited (its wall time): no turn
+                # begins then; the episode ends with the budget's reason.
+                ended = episode_commands.end_on_budget(state, time.time())
+                if ended:
+                    done = await self.checkpointer.append(state, ended)
+                    self.stats.end(done.status)
+                    return RunResult(Outcome.FINISHED, done)
             try:
                 state = await self._begin(state)
             except ModelMismatch:
@@ -222,7 +263,8 @@ class RolloutRunner:
             if state.remaining_tokens == 0 or context_full(state, self.engine.limits):
                 # The budget was used up before an abort, or a capped rollout filled the
                 # context: finish without asking the engine.
-                done = await self.generation.finish(attempt, state, None, FinishReason.LENGTH, None)
+                reason = turns.length_reason(state, 0)
+                done = await self.generation.finish(attempt, state, None, reason, None)
                 return RunResult(Outcome.FINISHED, done)
             return await self.generation.generate(state, attempt)
         except AppendRefused:
@@ -298,7 +340,15 @@ class RolloutRunner:
                 rollout_id=rid, attempt=began.attempt, worker=self.worker_id,
                 from_worker=before.worker_id, reason=AbortReason.WORKER_LOST.value,
             )  # fmt: skip
-        if before.num_tokens:
+        if before.status is Status.NEXT_TURN:
+            log_event(
+                log, logging.INFO, "turn_start",
+                f"rollout {rid} attempt {began.attempt}: turn {len(before.calls) + 1} started "
+                f"on weights v{version}, {before.context_tokens} context tokens",
+                rollout_id=rid, attempt=began.attempt, worker=self.worker_id,
+                tokens=before.num_tokens, weight_version=version,
+            )  # fmt: skip
+        elif before.num_tokens:
             self.stats.resumes += 1
             log_event(
                 log, logging.INFO, "resume",

@@ -15,7 +15,7 @@ from pathlib import Path
 from store import defaults, redis_options
 from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
-from store.logs import LOG_FORMATS, log_event
+from store.logs import add_log_format, log_event
 from store.logs import configure as configure_logs
 from workers.checkpoint import Cadence
 from workers.die_with_parent import ask_children_to_die_with_me
@@ -186,12 +186,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="address the metrics are served on; 0.0.0.0 for a scraper on another host "
         "(default %(default)s)",
     )
-    parser.add_argument(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default="text",
-        help="text for people, or json: one object per line for log shippers (default %(default)s)",
-    )
+    add_log_format(parser)
 
 
 def run(args: argparse.Namespace) -> int:

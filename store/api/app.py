@@ -14,13 +14,14 @@ from aiohttp import web
 
 from store import defaults
 from store.client import RolloutClient
+from store.environment import EnvironmentClient
 from store.logs import log_event
 
-from . import openapi, schemas, wire
+from . import env_routes, openapi, schemas, trajectory_schemas, wire
 from .auth import BearerAuth
 from .errors import ApiError, from_exception
 from .handlers import Handlers
-from .harness import control
+from .harness import chat_tools, control
 from .harness import routes as harness
 from .harness.call import Calls
 from .metrics import ApiMetrics
@@ -49,6 +50,12 @@ ROUTES: tuple[Route, ...] = (
           "The first `groups` groups to finish, whole, one result per line; then the rest of "
           "the batch is cancelled (RolloutClient.results(take=k))",
           schemas.TakeRequest, schemas.Result, (*_BODY_ERRORS, 404, 503), stream=True),
+    # Before the session's own route, whose id runs to the end of the path (see make_app).
+    Route("GET", "/v1/sessions/{session_id}/trajectory", "trajectory",
+          "A session's calls as one trajectory: the first call's prompt, then per call the "
+          "tokens its prompt added (loss 0) and its response (loss 1); a call whose prompt "
+          "does not extend the one before starts a new segment",
+          response=trajectory_schemas.Trajectory, errors=(422,)),
     Route("GET", "/v1/sessions/{session_id}", "session",
           "A session's calls (X-Session-ID) in the order they were made, with their rollouts' "
           "states; none for an unknown session", response=schemas.Session, errors=(422,)),
@@ -80,22 +87,29 @@ def make_app(
     max_body_bytes: int = defaults.API_MAX_BODY_BYTES,
     close_client: bool = False,
     calls: Calls | None = None,
+    environment: EnvironmentClient | None = None,
 ) -> web.Application:
     """The API over ``client``; ``close_client``: close it with the app (the CLI's own);
-    ``calls``: how harness calls are run (``store.api.harness.call``; default bounds)."""
+    ``calls``: how harness calls are run (``store.api.harness.call``; default bounds);
+    ``environment``: what serves the environment routes (default: one over ``client``'s
+    store, with the default lease and retries)."""
     metrics = ApiMetrics()
     auth = BearerAuth(token)
-    every = (*ROUTES, *harness.routes())
+    every = (*ROUTES, *harness.routes(), *env_routes.ROUTES)
     routes, refused = (every, {}) if client.tokenizer is not None else tokens_only(every)
+    if client.tokenizer is not None and not chat_tools.renders_tools(client.tokenizer):
+        routes = tuple(replace(r, body=r.no_tools_body) if r.no_tools_body else r
+                       for r in routes)  # fmt: skip
     openai_style = {r.path for r in every if r.harness}
     middleware = _middleware(auth, metrics, openai_style, refused)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[middleware])
     handlers = Handlers(client, metrics, submit=_route(routes, "submit").body)  # type: ignore[arg-type]
     app[_HANDLERS] = handlers
     served = harness.handlers(calls or Calls(client))
+    served |= env_routes.handlers(environment or EnvironmentClient(client.store, client.sync_redis))
     document = openapi.build(routes, secured=auth.enabled)
     for route in routes:
-        handler = served[route.name] if route.harness else getattr(handlers, route.name)
+        handler = served[route.name] if route.name in served else getattr(handlers, route.name)
         # A session id is the harness's and may hold a slash (%2F, decoded before routing):
         # its segment matches to the end. The canonical path, documented, stays the same.
         path = route.path.replace("{session_id}", r"{session_id:[\s\S]+}")

@@ -15,7 +15,7 @@ from typing import Any
 from store import defaults, redis_options
 from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
-from store.logs import LOG_FORMATS
+from store.logs import add_log_format
 
 TOKEN_ENV = "ROLLOUTS_API_TOKEN"
 DEFAULT_HOST = "127.0.0.1"
@@ -84,10 +84,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a harness caller that disconnects mid-call: keep its rollouts (they finish, a "
         "retry attaches, retention expires them) or cancel them (default keep)",
     )  # fmt: skip
-    parser.add_argument(
-        "--log-format", choices=LOG_FORMATS, default="text",
-        help="text for people, json (one object per line) for log shippers (default text)",
-    )  # fmt: skip
+    add_log_format(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from store import defaults
 from store.batches import BatchConflict
 from store.completions import UnknownPosition, WaitTimeout
 from store.errors import (
+    ClaimLost,
     GroupNotFound,
     InvalidRolloutId,
     RolloutExists,
@@ -69,6 +70,8 @@ _NAMED: tuple[tuple[type[Exception], int, str], ...] = (
     (BatchConflict, 409, "batch_conflict"),
     (RolloutExists, 409, "rollout_exists"),
     (StaleWeightVersion, 409, "stale_weight_version"),
+    # A zombie environment runner's report: the call is another claim's now, or ended.
+    (ClaimLost, 409, "claim_lost"),
     (InvalidRolloutId, 422, "invalid_id"),
     # Well-formed, but no result of the batch is there: not a validation error (the document
     # cannot know a batch's positions), a position not found, named as such.

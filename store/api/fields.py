@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    BaseModel,
     BeforeValidator,
+    ConfigDict,
     Field,
     GetJsonSchemaHandler,
     TypeAdapter,
@@ -38,6 +40,12 @@ INT64_MIN = -(2**63)
 VERSION_MAX = MAX_VERSION
 
 
+class Strict(BaseModel):
+    """Every body's base: no "1" for 1, no true for 1, no unknown field (as the domain does)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
 def _integral(value: Any) -> Any:
     """JSON has one number type: to every JSON Schema validator 1362.0 *is* the integer 1362,
     so an integer field takes it (a strict model alone would refuse a float)."""
@@ -61,17 +69,41 @@ Integral = BeforeValidator(_integral)
 NonNegInt = Annotated[int, Field(ge=0, le=INT64_MAX), Integral]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # in lists: see TokenIds
 TokenIds = Annotated[list[TokenId], WrapValidator(_integral_items)]
+# Token ids the store keeps as int32 (an observation's: statemachine.arrays.TOKEN_DTYPE); one
+# beyond would wrap, silently, when stored.
+INT32_MAX = 2**31 - 1
+Int32TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
+                          WrapValidator(_integral_items)]  # fmt: skip
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=ID_PATTERN)]
 BatchId = Annotated[str, Field(min_length=1, max_length=MAX_BATCH_ID_LEN, pattern=ID_PATTERN)]
 SessionId = Annotated[
     str, Field(min_length=1, max_length=MAX_SESSION_ID_LEN, pattern=SESSION_ID_PATTERN)
 ]
-# The path parameters' schemas, by name.
-PATH_PARAMS: dict[str, Any] = {"batch_id": BatchId, "rollout_id": Id, "session_id": SessionId}
+# An environment queue: it names a key, as a batch id does (``Keys.env_queue``), with its rules.
+EnvQueue = BatchId
+# The path parameters' schemas, by name. A call id (the generation worker's ``call-1``, ...)
+# follows an id's rules, as every id in a path does.
+PATH_PARAMS: dict[str, Any] = {"batch_id": BatchId, "rollout_id": Id, "session_id": SessionId,
+                               "queue": EnvQueue, "call_id": Id}  # fmt: skip
 GroupPolicyName = Literal["sample", "group"]
-StateName = Literal["pending", "generating", "aborted", "resumed", "done", "failed", "cancelled"]
+# Every statemachine.Status (a test holds them equal), an episode's states between turns too.
+StateName = Literal[
+    "pending", "generating", "aborted", "resumed", "done", "failed", "cancelled",
+    "awaiting_tool", "running_tool", "next_turn",
+]  # fmt: skip
 
 NOT_NULL: JsonDict = {"not": {"type": "null"}}
+
+
+class PackedArray(Strict):
+    """An array as raw little-endian bytes: msgpack bin in msgpack bodies, base64 in JSON."""
+
+    dtype: Literal["int32", "int64", "float32", "uint8", "uint16", "uint32"]
+    shape: list[NonNegInt]
+    data: Annotated[
+        str | bytes,
+        Field(json_schema_extra={"contentEncoding": "base64"}),
+    ]
 
 
 # Metadata as ``statemachine.request`` takes it: string keys; values null, booleans, strings,

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from statemachine import InvalidRequest, RolloutRequest, SamplingParams
+from statemachine import EpisodeSpec, InvalidRequest, RolloutRequest, SamplingParams
 from store import completions, defaults, writable
 from store.client import RolloutClient
 from store.completions import WaitTimeout
@@ -26,6 +26,7 @@ from store.results import RolloutResult
 from store.submission import ChatRequest, Prompt
 
 from . import schemas, views, wire
+from .env_schemas import Episode
 from .errors import ApiError, _field_of, from_exception, from_validation, refused
 from .metrics import ApiMetrics
 
@@ -115,6 +116,10 @@ class Handlers:
     async def session(self, request: web.Request) -> web.Response:
         session_id = _path_id(request, "session_id")
         return reply(request, views.session(session_id, await self.client.session(session_id)))
+
+    async def trajectory(self, request: web.Request) -> web.Response:
+        session_id = _path_id(request, "session_id")
+        return reply(request, views.trajectory(await self.client.trajectory(session_id)))
 
     async def stats(self, request: web.Request) -> web.Response:
         stats, latest = await asyncio.gather(self.client.stats(), self.client.weights.latest())
@@ -312,12 +317,13 @@ def _prompt(
     where = f"prompts.{i}"
     own = None if p.sampling is None else _params(p.sampling, f"{where}.sampling")
     sampling = shared or own
+    episode = None if p.episode is None else _episode(p.episode, f"{where}.episode")
     try:
         chat = getattr(p, "messages", None)  # a TokensPrompt has none
         if chat is not None:
             messages: Sequence[dict[str, Any]] = [m.model_dump() for m in chat]
             return ChatRequest(messages=messages, sampling=sampling, metadata=p.metadata,
-                               max_staleness=p.max_staleness)  # fmt: skip
+                               max_staleness=p.max_staleness, episode=episode)  # fmt: skip
         if sampling is None:
             raise ApiError(422, "invalid_request",
                            f"{where}.sampling: needed (here or in the body's sampling)",
@@ -327,7 +333,16 @@ def _prompt(
             sampling=sampling,
             metadata=p.metadata,
             max_staleness=p.max_staleness,
+            episode=episode,
         )
+    except InvalidRequest as exc:
+        raise _at(where, exc) from None
+
+
+def _episode(e: Episode, where: str) -> EpisodeSpec:
+    """What the document cannot say (a tool named twice) the domain refuses, named."""
+    try:
+        return EpisodeSpec.from_dict(e.model_dump())
     except InvalidRequest as exc:
         raise _at(where, exc) from None
 

@@ -19,7 +19,8 @@ _STATUS_TEXT = {
     400: "Malformed body (not JSON or msgpack)",
     401: "Missing or wrong bearer token",
     404: "No such rollout, batch or route",
-    409: "Conflicts with what is recorded (batch id reused, rollout ended, stale version)",
+    409: "Conflicts with what is recorded (batch id reused, rollout ended, stale version, a "
+    "tool call's claim that is not live any more)",
     413: "Body over --max-body-bytes",
     422: "A field is invalid; error.field names it",
     429: "More harness calls wait on this API than --max-waiting: nothing was recorded; "
@@ -106,6 +107,8 @@ def _operation(r: Route, secured: bool) -> dict[str, Any]:
     if r.body is not None:
         op["requestBody"] = {"required": True, "content": _content(_ref(r.body))}
     op["responses"] = {"200": _success(r)}
+    if r.empty is not None:
+        op["responses"]["204"] = {"description": r.empty}
     if r.name in LINKS:
         op["responses"]["200"]["links"] = LINKS[r.name]
     errors = set(r.errors) | {500}

@@ -23,6 +23,8 @@ class Route:
     query: type[BaseModel] | None = None
     stream: bool = False  # NDJSON (or a msgpack sequence) of ``response`` | StreamError
     text: bool = False  # text/plain (Prometheus exposition)
+    # What a 204 (no body) means, for a route that may answer one (a claim that found nothing).
+    empty: str | None = None
     # An endpoint a harness calls (``store.api.harness``): served by the harness handlers, its
     # errors in the OpenAI/vLLM body ``{"error": {"message", "type", "param", "code"}}``.
     harness: bool = False
@@ -33,3 +35,6 @@ class Route:
     # 422 ``no_tokenizer`` naming the field.
     tokens_body: type[BaseModel] | None = None
     needs_tokenizer: tuple[str, str] | None = None
+    # The body an API whose chat template renders no tools serves and documents instead
+    # (``app.without_tools``): the same without ``tools`` (store/api/harness/chat_tools.py).
+    no_tools_body: type[BaseModel] | None = None

@@ -37,6 +37,8 @@ from pydantic.json_schema import SkipJsonSchema
 from statemachine import MAX_LOGPROBS
 from store import defaults
 
+from .env_schemas import Episode
+from .episode_schemas import LossMask, RoutesPresent, ToolCalls, Turns
 from .fields import (
     INT64_MAX,
     NOT_NULL,
@@ -47,14 +49,12 @@ from .fields import (
     Integral,
     Metadata,
     NonNegInt,
+    PackedArray,
     SessionId,
     StateName,
+    Strict,
     TokenIds,
 )
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -86,7 +86,8 @@ class Message(BaseModel):
 
 
 class TokensPrompt(Strict):
-    """One prompt as token ids: what an API started without ``--tokenizer`` takes."""
+    """One prompt as token ids: what an API started without ``--tokenizer`` takes;
+    ``episode``: it is a multi-turn episode (``Episode``)."""
 
     # Not in the document (so not allowed by it): named here only to refuse it by name, first
     # (the missing prompt_token_ids would be the first error otherwise).
@@ -95,6 +96,7 @@ class TokensPrompt(Strict):
     sampling: Sampling | None = None
     metadata: Metadata = {}
     max_staleness: NonNegInt | None = None
+    episode: Episode | None = None
 
     @field_validator("messages")
     @classmethod
@@ -106,7 +108,8 @@ class TokensPrompt(Strict):
 
 
 class Prompt(Strict):
-    """One prompt: token ids, or chat messages (exactly one of the two)."""
+    """One prompt: token ids, or chat messages (exactly one of the two); ``episode``: it is a
+    multi-turn episode (``Episode``)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -125,6 +128,7 @@ class Prompt(Strict):
     sampling: Sampling | None = None
     metadata: Metadata = {}
     max_staleness: NonNegInt | None = None
+    episode: Episode | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> Prompt:
@@ -244,17 +248,6 @@ class TakeRequest(Strict):
 
 
 # -- responses --------------------------------------------------------------------------------
-class PackedArray(Strict):
-    """An array as raw little-endian bytes: msgpack bin in msgpack bodies, base64 in JSON."""
-
-    dtype: Literal["int32", "int64", "float32", "uint8", "uint16", "uint32"]
-    shape: list[NonNegInt]
-    data: Annotated[
-        str | bytes,
-        Field(json_schema_extra={"contentEncoding": "base64"}),
-    ]
-
-
 class ErrorDetail(Strict):
     type: str
     message: str
@@ -324,6 +317,11 @@ class Result(Strict):
     top_logprobs: PackedArray | None = Field(
         description="float32 [tokens, k]: the raw logprobs of top_token_ids; null when none"
     )
+    # An episode's own, absent from a plain rollout's result (store/episode_results.py).
+    loss_mask: LossMask = None
+    turns: Turns = None
+    tool_calls: ToolCalls = None
+    routes_present: RoutesPresent = None
 
 
 class StreamError(Strict):

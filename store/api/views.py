@@ -13,11 +13,14 @@ import numpy as np
 
 from statemachine import Event, RolloutState, codec
 from statemachine.arrays import unpack_array
+from statemachine.episode_codec import result_fields_v1
+from statemachine.episode_events import ToolResultRecorded
 from store.batches import BatchInfo
 from store.lifecycle import AckReport
 from store.results import RolloutResult
 from store.sessions import SessionCall
 from store.stats import Stats
+from store.trajectory import Trajectory
 from store.weights import WeightVersion
 
 from .wire import packed
@@ -25,6 +28,8 @@ from .wire import packed
 _TOKENS = np.dtype("<i4")
 # event class -> (its stored type name, its codec's to-fields function)
 _CODECS = {cls: (name, to_fields) for name, (cls, _, to_fields, _) in codec.REGISTRY.items()}
+# Stored under one-letter keys (statemachine/episode_codec.py says why): shown spelled out.
+_CODECS[ToolResultRecorded] = ("tool_result_recorded", result_fields_v1)
 
 
 def _ids(ids: Any) -> dict[str, Any]:
@@ -41,7 +46,7 @@ def _value(v: Any) -> Any:
 
 
 def result(r: RolloutResult) -> dict[str, Any]:
-    return {
+    out = {
         "rollout_id": r.rollout_id,
         "status": r.status.value,
         "prompt_token_ids": _ids(r.prompt_token_ids),
@@ -69,6 +74,20 @@ def result(r: RolloutResult) -> dict[str, Any]:
         "position": r.position,
         "top_token_ids": None if r.top_token_ids is None else packed(r.top_token_ids),
         "top_logprobs": None if r.top_logprobs is None else packed(r.top_logprobs),
+    }
+    if r.loss_mask is not None:  # an episode: a plain rollout's body stays what it was
+        out.update(_episode(r))
+    return out
+
+
+def _episode(r: RolloutResult) -> dict[str, Any]:
+    present = r.routes_present
+    return {
+        "loss_mask": packed(r.loss_mask),  # type: ignore[arg-type]  # set for an episode
+        "turns": [list(t) for t in r.turns or ()],
+        "tool_calls": [c.to_dict() for c in r.tool_calls or ()],
+        # uint8 on the wire: the packed dtypes are those numpy and every client share.
+        "routes_present": None if present is None else packed(present.astype(np.uint8)),
     }
 
 
@@ -127,6 +146,21 @@ def session(session_id: str, calls: list[SessionCall]) -> dict[str, Any]:
         "calls": [{"batch_id": c.batch_id, "at": c.at, "group_size": c.info.group_size,
                    "ids": c.ids, "states": list(c.statuses)} for c in calls],
     }  # fmt: skip
+
+
+def trajectory(t: Trajectory) -> dict[str, Any]:
+    segments = [
+        {"start": s.start.value, "prompt_token_ids": _ids(s.prompt_token_ids),
+         "token_ids": packed(s.token_ids), "loss_mask": packed(s.loss_mask),
+         "logprobs": packed(s.logprobs), "weight_versions": packed(s.weight_versions),
+         "turns": [list(span) for span in s.turns],
+         "calls": [{"batch_id": c.batch_id, "rollout_id": c.rollout_id, "sample": c.sample,
+                    "status": c.status, "start": c.start, "response_start": c.response_start,
+                    "end": c.end} for c in s.calls]}
+        for s in t.segments
+    ]  # fmt: skip
+    return {"session_id": t.session_id, "status": t.status.value, "segments": segments,
+            "breaks": t.breaks, "gone": list(t.gone)}  # fmt: skip
 
 
 def ack(report: AckReport) -> dict[str, Any]:

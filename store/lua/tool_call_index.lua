@@ -7,16 +7,25 @@
 --
 -- KEYS[1]   the tool lease index (a sorted set: member rollout id, score = expiry, unix ms by
 --           Redis's clock, as set_leases.lua stamps generation leases)
--- then per event i (from 0), with k = 2 + 2i:
+-- KEYS[2]   the generation lease index: an episode awaiting its tool has no generation lease,
+--           and the one its last turn held goes here, in the step that ended the turn. Its
+--           worker dropping it later could remove the lease of a worker that has taken the
+--           next turn since (a quick tool's result pushes that turn's job at once).
+-- then per event i (from 0), with k = 3 + 3i:
 -- KEYS[k]   its rollout's snapshot (fields seq, st, head from lua/append.lua; this script
---           keeps "tc", the live claim of the episode's pending call, for tool_heartbeat.lua)
+--           keeps "tc", the live claim of the episode's pending call, for tool_heartbeat.lua:
+--           its number and its call, as store/tool_index.py's claim_fence spells them)
 -- KEYS[k+1] the environment queue its episode names (a sorted set: member rollout id, score
 --           = when the call became claimable, unix ms by Redis's clock: oldest first)
+-- KEYS[k+2] that queue's doorbell (a list): one entry pushed per call that becomes claimable,
+--           so a runner blocked on it (BLPOP) wakes at once; capped at BELL_MAX entries, so
+--           a queue nobody serves keeps no more than that (a runner that comes finds some
+--           rung for calls already claimed, looks, finds nothing, and waits again)
 -- ARGV[1]   the lease TTL of a claim that lands here, ms
 -- then per event i, with a = 1 + 4i:
 -- ARGV[a+1] its rollout id        ARGV[a+2] its seq
 -- ARGV[a+3] the snapshot head it wrote (lua/append.lua's ARGV)
--- ARGV[a+4] the live claim after it ("0": none)
+-- ARGV[a+4] the live claim after it, as claim_fence spells it ("0": none)
 --
 -- Returns one integer per event: 1 if its indexes were set, 0 if the event did not land.
 --
@@ -28,10 +37,11 @@
 -- awaiting_tool episodes for a writer that died between the two steps.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local leases = KEYS[1]
+local leases, generation = KEYS[1], KEYS[2]
+local BELL_MAX = 64
 local out = {}
 for i = 0, (#ARGV - 1) / 4 - 1 do
-  local snapkey, queue = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
+  local snapkey, queue, bell = KEYS[3 + 3 * i], KEYS[4 + 3 * i], KEYS[5 + 3 * i]
   local a = 1 + 4 * i
   local rid, claim = ARGV[a + 1], ARGV[a + 4]
   local snap = redis.call('HMGET', snapkey, 'seq', 'head', 'st', 'tc')
@@ -40,8 +50,12 @@ for i = 0, (#ARGV - 1) / 4 - 1 do
   else
     local st = snap[3]
     if st == 'awaiting_tool' then
-      redis.call('ZADD', queue, 'NX', now, rid)
+      if redis.call('ZADD', queue, 'NX', now, rid) == 1 then
+        redis.call('LPUSH', bell, 1)
+        redis.call('LTRIM', bell, 0, BELL_MAX - 1)
+      end
       redis.call('ZREM', leases, rid)
+      redis.call('ZREM', generation, rid)
       redis.call('HDEL', snapkey, 'tc')
     elseif st == 'running_tool' then
       redis.call('ZREM', queue, rid)

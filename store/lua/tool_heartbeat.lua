@@ -5,7 +5,9 @@
 -- KEYS[1]   the tool lease index (lua/tool_call_index.lua)
 -- KEYS[2..] the snapshots of the claims' rollouts, one per claim, in ARGV's order
 -- ARGV[1]   the TTL, ms
--- ARGV[2..] per claim: rollout id, claim number
+-- ARGV[2..] per claim: rollout id, its fence (claim number and call, as "tc" holds them:
+--           store/tool_index.py's claim_fence; the number alone would match the next call's
+--           claim of the same number)
 --
 -- Returns {now (Redis's clock, unix ms), {1 if claim i is live and renewed, else 0, ...}}
 local t = redis.call('TIME')

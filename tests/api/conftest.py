@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from store.api.app import make_app
 from store.client import RolloutClient
 from store.redis_server import RedisServer
+from tests.api.env_helpers import env_api  # noqa: F401  (the environment routes' fixture)
 
 MakeApi = Callable[..., Awaitable[TestClient]]
 

@@ -7,7 +7,8 @@
 - result streams (NDJSON, one result per line): the first line is what the response-schema
   check sees; ``every_stream_line_as_documented`` checks every line.
 - a stream waits until its batch is delivered or its ``timeout``: a valid one is shortened
-  to ``STREAM_S`` so that the run never waits on a batch that no worker runs.
+  to ``STREAM_S`` so that the run never waits on a batch that no worker runs; so is a valid
+  claim's ``timeout_s`` (an empty environment queue answers 204 after it).
 - generation is kept small in a valid body, whatever its operation: at most ``CAPS`` samples
   (``n``) and tokens (``max_tokens``, ``max_completion_tokens``; ``min_tokens`` within them),
   so that the synthetic worker answers every call (which waits for its rollouts) well within
@@ -19,7 +20,8 @@
 - the constraints JSON Schema cannot state (each said in the document's descriptions), met by
   the bodies generated as valid, and only those: ``sampling`` as a list has one entry per
   prompt; ``ids`` name prompts x n distinct rollouts; at most 100,000 rollouts;
-  ``min_tokens`` <= ``max_tokens``; metadata packs into 4,096 bytes.
+  ``min_tokens`` <= ``max_tokens``; metadata packs into 4,096 bytes; an episode's tools
+  named once each.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from store import defaults
 STREAM_S = 0.3
 CAPS = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8}
 VOCAB = 32_000  # the synthetic engine's (its default)
-TOKEN_ID_KEYS = frozenset({"prompt_token_ids", "prompt", "token_ids", "stop_token_ids"})
+TOKEN_ID_KEYS = frozenset(
+    {"prompt_token_ids", "prompt", "token_ids", "stop_token_ids", "tool_call_stop_token_ids"}
+)
 NDJSON = "application/x-ndjson"
 MSGPACK = "application/msgpack"
 
@@ -104,16 +108,18 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         case.query["timeout"] = _short(case.query.get("timeout"))
     elif name == "take" and isinstance(case.body, dict):
         case.body["timeout"] = _short(case.body.get("timeout"))
+    elif name == "env_claim" and isinstance(case.body, dict) and "timeout_s" in case.body:
+        case.body["timeout_s"] = _short(case.body["timeout_s"], most=defaults.API_CLAIM_WAIT_MAX_S)
     if positive and isinstance(case.body, dict):
         _small(case.body)
         if name == "submit":
             _within_what_the_document_cannot_say(case.body)
 
 
-def _short(timeout: Any) -> Any:
+def _short(timeout: Any, most: float = 86400) -> Any:
     """A valid timeout made short; an invalid one (a negative case) kept as it is."""
     try:
-        valid = timeout is None or 0 < float(timeout) <= 86400
+        valid = timeout is None or 0 < float(timeout) <= most
     except (TypeError, ValueError):
         valid = False
     return STREAM_S if valid else timeout
@@ -174,6 +180,10 @@ def _within_what_the_document_cannot_say(body: dict[str, Any]) -> None:
             defaults.MAX_METADATA_BYTES
         ):
             p["metadata"] = {}
+        episode = p.get("episode")
+        if isinstance(episode, dict) and isinstance(episode.get("tools"), list):
+            named = {t["name"]: t for t in episode["tools"]}  # the last of each name
+            episode["tools"] = list(named.values())
     if body.get("ids") is not None:
         total = len(prompts) * n
         body["ids"] = [f"{body['ids'][i % len(body['ids'])][:180]}.{i}" for i in range(total)]

@@ -8,7 +8,8 @@ short and generation small, and keep bodies generated as valid within the few co
 JSON Schema cannot state.
 
 Two APIs, two documents: one without ``--tokenizer`` (prompts as token ids only; chat not
-served) and one with the tiny models' tokenizer and a chat template (text prompts, chat). One
+served) and one with the tiny models' tokenizer and its Qwen-style chat template (text prompts,
+chat with tools; a template that renders none is checked by ``test_openai_contract``). One
 real worker process (the synthetic engine: no model, no cost) answers the harness calls
 (``/v1/completions``, ...), which wait for their rollouts: a valid call is answered 200 well
 within the run's request timeout, and one that is not is answered 504 by the API's
@@ -33,7 +34,7 @@ import pytest
 from store.redis_server import RedisServer, free_port
 from tests.api.test_process import TOKEN, api_command, wait_healthy
 from tests.workers.helpers import start_worker, stop
-from workers.demo.tiny_tokenizer import make_tiny_tokenizer
+from workers.demo.tiny_tokenizer import TOOL_CHAT_TEMPLATE, make_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 28
@@ -42,11 +43,6 @@ SEED = 28
 MAX_TIME_S = {"bare": 25, "tokenizer": 30}
 REQUEST_TIMEOUT_S = 5
 CALL_TIMEOUT_S = 4  # a call not answered by then is a 504, not a client timeout
-# ChatML over the tiny tokenizer's special tokens (it has no template of its own).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # The worker: unpaced, 16 tokens a step; a context of 512 tokens, so that a call whose
 # max_tokens is null ("what the context leaves") ends quickly too.
 SYNTHETIC = {"token_delay_s": 0.0, "tokens_per_chunk": 16, "context_length": 512}
@@ -138,7 +134,7 @@ async def answered(base: str) -> dict[str, float]:
 
 @pytest.mark.slow  # ~70 s: two runs' budgets, and four processes' start
 async def test_schemathesis_finds_no_drift_and_no_5xx(tmp_path: Path) -> None:
-    tokenizer = make_tiny_tokenizer(tmp_path / "tokenizer", chat_template=CHAT_TEMPLATE)
+    tokenizer = make_tiny_tokenizer(tmp_path / "tokenizer", chat_template=TOOL_CHAT_TEMPLATE)
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "ROLLOUTS_API_TOKEN": TOKEN, "PYTHONPATH": path}
     with RedisServer(tmp_path / "redis", config={"appendfsync": "everysec"}) as server:

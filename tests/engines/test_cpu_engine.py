@@ -102,8 +102,8 @@ def test_a_failing_request_fails_alone_in_the_core(
 
     monkeypatch.setattr(core.model, "forward", forward)
     greedy = request("x").sampling.to_dict()
-    core.handle(["add", 1, [*PROMPT, poison], greedy, 0])
-    core.handle(["add", 2, list(PROMPT), greedy, 0])
+    core.handle(["add", 1, [*PROMPT, poison], greedy, 0, None])
+    core.handle(["add", 2, list(PROMPT), greedy, 0, None])
     out: list[Any] = []
     while core.busy:
         core.round()
@@ -198,8 +198,8 @@ async def test_a_bad_model_directory_fails_at_start(tmp_path: Path) -> None:
 
 def test_a_request_the_core_cannot_take_fails_alone(tiny_moe_dir: Path) -> None:
     core = EngineCore(tiny_moe_dir)
-    core.handle(["add", 1, list(PROMPT), {"max_tokens": 4, "no_such_parameter": 1}, 0])
-    core.handle(["add", 2, list(PROMPT), request("x", n=4).sampling.to_dict(), 0])
+    core.handle(["add", 1, list(PROMPT), {"max_tokens": 4, "no_such_parameter": 1}, 0, None])
+    core.handle(["add", 2, list(PROMPT), request("x", n=4).sampling.to_dict(), 0, None])
     out: list[Any] = core.take_output()
     while core.busy:
         core.round()

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from statemachine.request import SamplingParams
 from tests.engine_pool import EnginePool
+from tests.engines.routing import hf_routing
 from tests.engines.stream import Generation, collect_request
 from workers.demo.tiny_model import NUM_EXPERTS, NUM_LAYERS, TOP_K
 from workers.engines.base import EngineRequest, expert_dtype
@@ -24,19 +24,6 @@ pytestmark = pytest.mark.slow
 async def moe_engine(cpu_pool: EnginePool, tiny_moe_dir: Path) -> CpuEngine:
     engine: CpuEngine = await cpu_pool.get(tiny_moe_dir)
     return engine
-
-
-def hf_routing(model_dir: Path, ids: list[int]) -> np.ndarray:
-    """[len(ids), layers, top_k]: the router's top-k per input position, from a full forward."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), output_router_logits=True)
-    per_layer = [
-        # What Qwen3MoeTopKRouter does: softmax in float32, then topk of the probabilities.
-        torch.topk(torch.softmax(logits.float(), dim=-1), TOP_K, dim=-1).indices
-        for logits in out.router_logits
-    ]
-    return torch.stack(per_layer, dim=1).numpy()
 
 
 async def generate(engine: CpuEngine, prompt: list[int], **sampling: object) -> Generation:

@@ -48,6 +48,14 @@ def token_events(draw: st.DrawFn) -> TokensAppended:
             elements=st.integers(0, experts - 1),
         )
     )
+    # Observation routes (a turn's first chunk): rows shaped as the chunk's routes.
+    shape = (1, 2) if routes is None else routes.shape[1:]
+    observed = draw(
+        st.none()
+        | hnp.arrays(
+            np.int64, (draw(st.integers(1, 9)), *shape), elements=st.integers(0, experts - 1)
+        )
+    )
     width = draw(st.integers(0, 20))
     top = None
     if width:
@@ -68,6 +76,7 @@ def token_events(draw: st.DrawFn) -> TokensAppended:
         routed_experts=routes,
         top_token_ids=None if top is None else top[0],
         top_logprobs=None if top is None else top[1],
+        observation_routes=observed,
     )
 
 

@@ -107,7 +107,7 @@ def test_episode_records_are_newer_versions_that_older_readers_refuse_as_newer()
     assert codec.decode(codec.encode(sub)).request.episode == sub.request.episode  # type: ignore[attr-defined]
     for cls in TOOL_EVENTS:
         name = next(n for n, (c, *_rest) in codec.REGISTRY.items() if c is cls)
-        assert codec.REGISTRY[name][1] == 1
+        assert codec.REGISTRY[name][1] == (2 if cls is ToolResultRecorded else 1)
 
 
 def _episode_state() -> tuple[RolloutState, list]:
@@ -166,8 +166,28 @@ def test_an_observation_is_stored_as_raw_bytes_near_its_payload() -> None:
     result = f.result(state, observation_token_ids=np.arange(n, dtype=np.int32))
     record = codec.encode(result)
     fields = _header(record)[5]
-    assert fields["observation_token_ids"] == ["<i4", [n], np.arange(n, dtype="<i4").tobytes()]
+    assert fields["o"] == ["<i4", [n], np.arange(n, dtype="<i4").tobytes()]
     assert len(record) <= 1.2 * 4 * n
+    assert codec.decode(record) == result
+    # The record's overhead over its payload, whatever the observation's length: within 1.2x
+    # of a 128-token one (v1's keys made it 139 bytes, 1.27x).
+    short = f.result(state, observation_token_ids=np.arange(128, dtype=np.int32))
+    assert len(codec.encode(short)) - 4 * 128 <= 0.2 * 4 * 128
+
+
+def test_a_v1_result_record_still_decodes() -> None:
+    state, _ = _episode_state()
+    result = f.result(state, observation_token_ids=np.arange(5, dtype=np.int32), seconds=1.5)
+    v1 = {
+        "call_id": result.call_id,
+        "claim": result.claim,
+        "observation_token_ids": ["<i4", [5], np.arange(5, dtype="<i4").tobytes()],
+        "env_handle": result.env_handle,
+        "env_revision": result.env_revision,
+        "seconds": 1.5,
+    }
+    header = _header(codec.encode(result))
+    record = _forge(b"R", ["tool_result_recorded", 1, *header[2:5], v1])
     assert codec.decode(record) == result
 
 
@@ -177,8 +197,11 @@ def test_damaged_tool_records_are_refused() -> None:
         codec.decode(_forge(b"R", ["tool_call_failed", 1, "r", 5, 0.0, fields]))
     good = codec.encode(f.result(_episode_state()[0]))
     body = _header(good)
-    body[5]["observation_token_ids"][2] = b"\x00" * 3  # 3 bytes for 3 int32 ids
+    body[5]["o"][2] = b"\x00" * 3  # 3 bytes for 3 int32 ids
     with pytest.raises(CorruptRecord, match="needs 12 bytes"):
         codec.decode(_forge(b"R", body))
     assert isinstance(codec.decode(good), ToolResultRecorded)
+    v1 = {"call_id": "c1", "claim": 1, "env_handle": "", "env_revision": "", "seconds": 0.0}
+    with pytest.raises(CorruptRecord, match="bad tool_result_recorded fields"):
+        codec.decode(_forge(b"R", ["tool_result_recorded", 1, "r", 5, 0.0, v1]))
     assert isinstance(codec.decode(codec.encode(f.budget_finished(_episode_state()[0]))), Finished)

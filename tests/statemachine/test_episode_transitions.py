@@ -196,6 +196,11 @@ def test_observations_must_be_token_ids() -> None:
     s = run(at_tool(), f.claimed)
     with pytest.raises(ValueError, match="observation token ids must be >= 0"):
         f.result(s, observation_token_ids=np.array([1, -2]))
+    # Not wrapped into int32 (2**31 would have been stored as -2**31, passing the check above).
+    with pytest.raises(ValueError, match="outside int32"):
+        f.result(s, observation_token_ids=[1, 2**31])
+    with pytest.raises(ValueError, match="outside int32"):
+        f.result(s, observation_token_ids=np.array([2**32 + 5], dtype=np.uint64))
     with pytest.raises(ValueError, match="seconds"):
         f.result(s, seconds=float("nan"))
     empty = run(s, lambda s: f.result(s, n=0))  # a tool may say nothing

@@ -225,3 +225,26 @@ async def test_a_renewed_claim_is_not_swept(env: EnvironmentClient) -> None:
         assert await env.heartbeat([claim], lease_s=0.2) == [True]
     assert await sweep_lost_calls(env.store) == []
     assert (await env.store.head("ep")).status is Status.RUNNING_TOOL
+
+
+async def test_a_heartbeat_under_an_earlier_calls_claim_number_is_not_live(
+    env: EnvironmentClient,
+) -> None:
+    # Claim numbers count per call: the next call's first claim is number 1 again, so the
+    # fence a heartbeat names is the call and the claim, not the number alone.
+    await _waiting(env)
+    first = await env.claim("default", "r0")
+    assert first is not None
+    await env.record_result(first, np.array([7], dtype=np.int32))
+    s = await env.store.head("ep")
+    s = await env.store.append(s, f.resumed(s))
+    s = await env.store.append(s, f.tokens(s, n=2))
+    await env.store.append(s, f.requested(s, "calc"))
+    second = await env.claim("default", "r1", lease_s=0.3)
+    assert second is not None and (second.call_id, second.claim) == ("c2", first.claim)
+    assert await env.heartbeat([first, second], lease_s=0.3) == [False, True]
+    # The first call's zombie renews nothing: the second's lease lapses on its own.
+    await asyncio.sleep(0.2)
+    assert await env.heartbeat([first], lease_s=5.0) == [False]
+    await asyncio.sleep(0.2)
+    assert await sweep_lost_calls(env.store) == ["ep"]

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from statemachine import Event, RolloutState, apply
+from statemachine.errors import InvalidRequest
 from statemachine.events import Cancelled
 from statemachine.status import Status
 from store import EventStore
@@ -115,6 +116,19 @@ async def test_a_refused_append_leaves_the_queue_to_the_event_that_won(store: Ev
     with pytest.raises(SequenceConflict):
         await store.append(waiting, f.claimed(waiting, runner="b"))
     assert await store.redis.zrange(queue, 0, -1) == []
-    assert await store.redis.hget(store.keys.snapshot("ep"), "tc") == b"1"
+    assert await store.redis.hget(store.keys.snapshot("ep"), "tc") == b"1 c1"  # claim 1 of c1
     assert (await store.load("ep")).calls[0].claims[-1].runner_id == "a"
     assert claimed.status is Status.RUNNING_TOOL
+
+
+def test_an_env_queue_name_follows_the_stores_id_rules_exactly() -> None:
+    """A queue name the domain accepts is one the store can name a key with: else a submit
+    took an episode whose worker's append was refused mid-episode."""
+    from statemachine.episode import ENV_QUEUE_CHARS, MAX_ENV_QUEUE_LEN
+    from store.keys import ID_CHARS, MAX_BATCH_ID_LEN, Keys
+
+    assert ENV_QUEUE_CHARS == ID_CHARS and MAX_ENV_QUEUE_LEN == MAX_BATCH_ID_LEN
+    for bad in ("a\ufeffb", "a\u2028b", "a b", "a:b", "{a}", "a\x85"):
+        with pytest.raises(InvalidRequest, match="env_queue"):
+            f.episode(env_queue=bad)
+    assert Keys().env_queue(f.episode(env_queue="sandbox-é").env_queue)

@@ -227,3 +227,26 @@ async def test_under_redis_oom_a_refused_give_back_writes_nothing_and_is_retried
     assert len([e for e in await store.events("r1") if isinstance(e, Aborted)]) == 1
     await a.aclose()
     s.close()
+
+
+async def test_a_pass_sweeps_lost_tool_calls_at_its_own_cadence(clients) -> None:  # type: ignore[no-untyped-def]
+    a, s = clients
+    store, leases = EventStore(a), Leases(a)
+    st = await store.append(None, f.episode_submitted("ep"))
+    st = await store.append(st, f.started(st))
+    st = await store.append(st, f.requested(st, "calc"))
+    await store.append_chain(st, [f.claimed(st)], tool_lease_s=0.01)
+    await asyncio.sleep(0.05)
+    reaper = Reaper(store, leases, s)
+    assert await reaper.reap_once() == []  # no generation lease was lost
+    assert reaper.lost_calls == 1
+    state = await store.head("ep")
+    assert state.status is Status.AWAITING_TOOL and state.calls[0].unverified == 1
+    # Claimed and lost again at once: the next pass is within TOOL_SWEEP_S, so it waits.
+    await store.append_chain(state, [f.claimed(state)], tool_lease_s=0.01)
+    await asyncio.sleep(0.05)
+    await reaper.reap_once()
+    assert reaper.lost_calls == 1
+    reaper.tool_sweep_s = 0.0
+    await reaper.reap_once()
+    assert reaper.lost_calls == 2

@@ -93,3 +93,39 @@ async def test_the_worker_cli_engine_takes_its_options_from_the_environment(
     monkeypatch.setenv(SYNTHETIC_ARGS_ENV, "[1]")
     with pytest.raises(ValueError, match="JSON object"):
         make_engine("synthetic", None)
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [1, 4])
+async def test_a_script_is_said_whatever_the_prompt_and_ends_at_a_stop_token(
+    tokens_per_chunk: int,
+) -> None:
+    """``script``: the tokens say it in a loop, the first stop token id ends the stream (kept,
+    ``stop_reason`` its id), resumes stay exact, and the stepped path says the same."""
+    script = (40, 41, 42, 7, 43)
+    engine = SyntheticEngine(tokens_per_chunk=tokens_per_chunk, script=script)
+    full, _ = await run(engine, PROMPT, 12)
+    assert full.token_ids.tolist() == [*script, *script, 40, 41]
+    other, _ = await run(engine, (1, 2), 12)
+    assert other.token_ids.tolist() == full.token_ids.tolist()
+    head, _ = await run(engine, PROMPT, 6)
+    tail, _ = await run(engine, (*PROMPT, *head.token_ids.tolist()), 6, resumed=6)
+    assert [*head.token_ids.tolist(), *tail.token_ids.tolist()] == full.token_ids.tolist()
+    stop = SamplingParams(max_tokens=20, stop_token_ids=(7,), ignore_eos=True)
+    chunks = [c async for c in engine.generate(EngineRequest(
+        request_id="s", prompt_token_ids=PROMPT, sampling=stop))]  # fmt: skip
+    said = join_chunks(chunks)
+    assert said.token_ids.tolist() == [40, 41, 42, 7]
+    assert (chunks[-1].finish_reason, chunks[-1].stop_reason) == (FinishReason.STOP, 7)
+    # Resumed after the stop's first place: the next one ends it.
+    rest = SamplingParams(max_tokens=20, stop_token_ids=(7,), ignore_eos=True)
+    chunks = [c async for c in engine.generate(EngineRequest(
+        request_id="t", prompt_token_ids=(*PROMPT, 40, 41, 42, 7), sampling=rest,
+        resumed_tokens=4))]  # fmt: skip
+    assert join_chunks(chunks).token_ids.tolist() == [43, 40, 41, 42, 7]
+    await engine.add(EngineRequest(request_id="u", prompt_token_ids=(9,), sampling=stop))
+    stepped = [s async for s in engine.steps()]
+    assert np.concatenate([s.token_ids for s in stepped]).tolist() == [40, 41, 42, 7]
+    assert stepped[-1].ends["u"].stop_reason == 7
+    with pytest.raises(ValueError, match="script"):
+        SyntheticEngine(vocab=10, script=(3, 10))
+    assert engine.model_id != SyntheticEngine().model_id

@@ -51,7 +51,10 @@ def worker(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str
 
 def assert_refused(code: int, out: str, err: str, seconds: float, *secrets: str) -> None:
     assert code == 2, err
-    assert seconds < 5.0
+    # "At once": not after retrying (a refused write or a lost connection is retried for
+    # minutes). The bound is the process's start-up, imports included, on a loaded 2-core
+    # machine: 6 s was seen there with CI beside other test sessions.
+    assert seconds < 15.0
     assert "authentication failed" in err.lower()
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err  # one clear line

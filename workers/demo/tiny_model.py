@@ -105,12 +105,55 @@ def _fill_weights(model: PreTrainedModel, seed: int) -> None:
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * std)
 
 
-def make_tiny_model(path: str | Path, *, moe: bool, seed: int = 0) -> Path:
+# A model with a "tool turn" of K tokens (``make_tiny_model(tool_turn=K)``) says these K tokens
+# in order after any other token; the last is its tool-call token (``tool_call_token``).
+TOOL_TURN_FIRST_ID = 1000
+# The turn's own dimensions of the residual stream outweigh everything the random layers add
+# (their inputs are normalised, so what they add does not grow with it): the next token is
+# decided by the last one. Measured on both architectures (greedy, 14 tokens): the turn's
+# next token has probability > 0.9996 at every step at this scale (0.90 at 1e3, and 64 lost
+# the turn altogether), so even sampling at temperature 1 almost always follows it.
+_TURN_SCALE = 1e4
+# The turn takes K + 1 of the HIDDEN_SIZE dimensions; the rest stay the random model's.
+MAX_TOOL_TURN = 48
+_TURN_GAIN = 2.0
+
+
+def tool_call_token(tool_turn: int) -> int:
+    """The tool-call token of a model made with ``tool_turn`` (the turn's last token)."""
+    return TOOL_TURN_FIRST_ID + tool_turn - 1
+
+
+def _tool_turn(model: PreTrainedModel, turn: int) -> None:
+    """Make the random model say the turn's K tokens c_0 .. c_{K-1} after any other token,
+    then c_0 again: dimensions 0..K of the embedding and the output head carry "the last
+    token was c_k, or another one" and nothing else does. Everything else stays random (the
+    logprobs, and with MoE the routes, are still those of a random model)."""
+    with torch.no_grad():
+        # By name (both architectures share them): typed as tensors, unlike the accessors.
+        params = dict(model.named_parameters())
+        embed, head = params["model.embed_tokens.weight"], params["lm_head.weight"]
+        cycle = torch.arange(TOOL_TURN_FIRST_ID, TOOL_TURN_FIRST_ID + turn)
+        embed[:, : turn + 1] = 0.0
+        head[:, : turn + 1] = 0.0
+        embed[:, turn] = _TURN_SCALE  # "another token": c_0 follows
+        embed[cycle, turn] = 0.0
+        embed[cycle, torch.arange(turn)] = _TURN_SCALE
+        head[cycle[1:], torch.arange(turn - 1)] = _TURN_GAIN  # c_k -> c_{k+1}
+        head[cycle[0], turn] = _TURN_GAIN  # another token -> c_0
+        head[cycle[0], turn - 1] = _TURN_GAIN  # the tool-call token -> c_0 (a turn again)
+
+
+def make_tiny_model(path: str | Path, *, moe: bool, seed: int = 0, tool_turn: int = 0) -> Path:
     """Write a tiny Qwen3 (dense) or Qwen3-MoE model directory at `path` and return it.
 
     The tokenizer depends only on a fixed seed (0), so every checkpoint of one architecture
-    shares it; `seed` changes only the weights.
+    shares it; `seed` changes only the weights. ``tool_turn`` K > 0: the model says a fixed
+    K-token turn after any other token, ending at its tool-call token (``tool_call_token``):
+    episodes on it end every turn at a tool call after exactly K tokens (examples/).
     """
+    if tool_turn < 0 or tool_turn > MAX_TOOL_TURN:
+        raise ValueError(f"tool_turn must be 0..{MAX_TOOL_TURN}, got {tool_turn}")
     hf_logging.disable_progress_bar()  # "Writing model shards" bars are noise in tests and CLI
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,6 +163,8 @@ def make_tiny_model(path: str | Path, *, moe: bool, seed: int = 0) -> Path:
     config = _config(moe=moe, vocab_size=len(tokenizer), eos_id=eos_id)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _fill_weights(model, seed)
+    if tool_turn:
+        _tool_turn(model, tool_turn)
     model.eval()
     model.save_pretrained(out)
     GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(
@@ -128,7 +173,8 @@ def make_tiny_model(path: str | Path, *, moe: bool, seed: int = 0) -> Path:
     tokenizer.save_pretrained(out)
     write_tokenizer_config(out)
     _add_portable_config_keys(out, moe=moe)
-    (out / "tiny_model.json").write_text(json.dumps({"moe": moe, "seed": seed}) + "\n")
+    info = {"moe": moe, "seed": seed, **({"tool_turn": tool_turn} if tool_turn else {})}
+    (out / "tiny_model.json").write_text(json.dumps(info) + "\n")
     return out
 
 
@@ -151,4 +197,6 @@ def _add_portable_config_keys(out: Path, *, moe: bool) -> None:
 def make_tiny_checkpoint(path: str | Path, *, like: str | Path, seed: int) -> Path:
     """Another checkpoint with the architecture of the tiny model at `like`, for weight updates."""
     info = json.loads((Path(like) / "tiny_model.json").read_text())
-    return make_tiny_model(path, moe=bool(info["moe"]), seed=seed)
+    return make_tiny_model(
+        path, moe=bool(info["moe"]), seed=seed, tool_turn=int(info.get("tool_turn", 0))
+    )

@@ -34,6 +34,11 @@ class EngineRequest:
     # How many trailing ids of `prompt_token_ids` are the rollout's own earlier output (a
     # resume). Engines use it only so that a stop string straddling the resume point is seen.
     resumed_tokens: int = 0
+    # Ask for the routed experts of prompt tokens [prompt_routes_from, len(prompt)) with the
+    # first chunk (``Chunk.prompt_routes``), from the prefill the engine runs anyway; at least
+    # 1 (token 0 has no forward before it). An episode's next turn asks for its observation's.
+    # Engines that cannot (dense models, vLLM today, the synthetic engine) give none.
+    prompt_routes_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +67,12 @@ class Chunk:
       `sampling.logprobs = k` >= 1, else None: vLLM's top-k at each position, the k most likely
       tokens under the same raw distribution as `logprobs`, most likely first (the sampled
       token is among them when it ranks within k; under greedy it is the first).
+    - `prompt_routes`: on the request's first chunk only, for a request that set
+      `prompt_routes_from` = f on an engine that can: [len(prompt) - f, n_moe_layers, top_k],
+      the rows of prompt tokens f .. len(prompt) - 1 under the same convention (row i is the
+      forward at input position f - 1 + i), from the prefill under `weight_version`'s weights.
+      With `routed_experts`, whose first row is the forward at the last prompt position, every
+      position from f - 1 on has exactly one row. None otherwise.
     """
 
     token_ids: np.ndarray
@@ -72,6 +83,7 @@ class Chunk:
     weight_version: int = 0
     top_token_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    prompt_routes: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -84,6 +96,7 @@ class Joined:
     routed_experts: np.ndarray | None  # [n, layers, top_k] or None (dense)
     top_token_ids: np.ndarray | None = None  # int32 [n, k] (logprobs=k), or None
     top_logprobs: np.ndarray | None = None  # float32 [n, k], or None
+    prompt_routes: np.ndarray | None = None  # the stream's first chunk's, if these begin it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -109,7 +122,9 @@ class Step:
     ``top_token_ids``/``top_logprobs``: [T, K] when some request of the step asked for top-k
     logprobs, K at least the widest k asked: a request with ``logprobs = k`` takes the first k
     columns of its rows (each row most likely first, so these are its top-k); the rest of a
-    row, and the rows of requests that asked for none, mean nothing. None when none asked."""
+    row, and the rows of requests that asked for none, mean nothing. None when none asked.
+    ``prompt_routes``: by request id, the ``Chunk.prompt_routes`` of the requests whose first
+    token is in this step and that got them; None (most steps) when there are none."""
 
     request_ids: Sequence[str]
     token_ids: np.ndarray  # int32 [T]
@@ -120,6 +135,7 @@ class Step:
     ends: Mapping[str, End] = field(default_factory=dict)
     top_token_ids: np.ndarray | None = None  # int32 [T, K]
     top_logprobs: np.ndarray | None = None  # float32 [T, K]
+    prompt_routes: Mapping[str, np.ndarray] | None = None
 
     @classmethod
     def only_ends(cls, ends: Mapping[str, End]) -> Step:
@@ -164,6 +180,7 @@ def join_chunks(chunks: Sequence[Chunk]) -> Joined:
         routed_experts=None if routes[0] is None else np.concatenate(routes),  # type: ignore[arg-type]
         top_token_ids=np.concatenate([c.top_token_ids for c in chunks]) if top else None,
         top_logprobs=np.concatenate([c.top_logprobs for c in chunks]) if top else None,
+        prompt_routes=chunks[0].prompt_routes,
     )
 
 

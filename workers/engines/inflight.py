@@ -134,6 +134,13 @@ def check_request(request: EngineRequest, limits: EngineLimits, *, context_name:
     sampling = request.sampling
     if not ids:
         raise RequestRejected("prompt_token_ids must not be empty")
+    start = request.prompt_routes_from
+    if start is not None and not 1 <= start < len(ids):
+        # Row f is the forward at position f - 1: token 0 has none, and at least one row.
+        raise RequestRejected(
+            f"prompt_routes_from {start} is outside 1 .. {len(ids) - 1} (the prompt has "
+            f"{len(ids)} tokens)"
+        )
     vocab = limits.vocab_size
     if vocab is not None:
         for name, given in (("prompt", ids), ("stop_token_ids", sampling.stop_token_ids)):
@@ -166,7 +173,7 @@ def context_full(state: RolloutState, limits: EngineLimits) -> bool:
         context is not None
         and state.request.sampling.cap_to_context
         and state.num_tokens > 0
-        and len(state.request.prompt_token_ids) + state.num_tokens >= context
+        and len(state.request.prompt_token_ids) + state.context_tokens >= context
     )
 
 

@@ -25,6 +25,14 @@ advanced by one chunk per step, all in one set of numpy operations, so that the 
 benchmark (``bench/bench_overhead.py``, ``gpu_cadence_*``) measures the worker, not this
 engine. Both paths give a request exactly the same tokens, logprobs and routes.
 
+``sampling.stop_token_ids`` end a stream with its first stop token (``stop``, the token
+kept), not before ``min_tokens``; stop strings are not seen (it has no tokenizer). An episode's
+tool-call stop token thus ends a turn deterministically: with ``vocab`` V, within V tokens.
+
+``script`` (token ids) replaces that sequence: token ``i`` is ``script[i % len(script)]``,
+whatever the prompt (logprobs and routes as above), so a test can have it say a given text,
+e.g. a tool call in a chat template's syntax; still resume-exact, stop token ids included.
+
 ``token_delay_s`` paces it (seconds per token, slept once per chunk), so that process tests
 can kill or stop a worker mid-generation; ``rollouts worker --engine synthetic`` reads its
 options from ``$ROLLOUTS_SYNTHETIC_ENGINE`` (``workers.engine_factory``).
@@ -33,7 +41,8 @@ options from ``$ROLLOUTS_SYNTHETIC_ENGINE`` (``workers.engine_factory``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+import hashlib
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import numpy as np
 
@@ -59,6 +68,7 @@ class SyntheticEngine:
         token_delay_s: float = 0.0,
         context_length: int | None = None,
         reject_rollouts: Iterable[str] = (),
+        script: Sequence[int] = (),
     ) -> None:
         self._weight_version = weight_version
         self.vocab = vocab
@@ -68,7 +78,11 @@ class SyntheticEngine:
         self.token_delay_s = token_delay_s
         self.context_length = context_length
         self.reject_rollouts = frozenset(reject_rollouts)
+        if any(not 0 <= int(t) < vocab for t in script):
+            raise ValueError(f"script: every token id must be in [0, {vocab})")
+        self._script = np.asarray(script, dtype=np.int64) if len(script) else None
         self._aborted: set[str] = set()
+        self._stops: dict[str, int] = {}  # request id -> the stop token id its stream ends at
         self._closed = False
         # Requests added with ``add``, as parallel arrays (one step is a few numpy operations
         # over all of them): id, sum of the original prompt, next position, end position.
@@ -99,7 +113,26 @@ class SyntheticEngine:
     def model_id(self) -> str:
         # Its "model" is the shape of what it emits: two synthetic engines that would give a
         # rollout different tokens or routes are different models.
-        return f"synthetic:vocab{self.vocab}-experts{self.experts}x{self.layers}x{self.top_k}"
+        shape = f"synthetic:vocab{self.vocab}-experts{self.experts}x{self.layers}x{self.top_k}"
+        if self._script is None:
+            return shape
+        return f"{shape}-script{hashlib.sha256(self._script.tobytes()).hexdigest()[:12]}"
+
+    def _tokens(self, bases: np.ndarray | int, positions: np.ndarray) -> np.ndarray:
+        """The tokens at ``positions`` of rollouts whose original prompts sum to ``bases``."""
+        if self._script is not None:
+            ids: np.ndarray = self._script[positions % len(self._script)]
+        else:
+            ids = (bases + positions) % self.vocab
+        return ids.astype(np.int32)
+
+    def _stop_at(self, base: int, first: int, stop: int) -> int | None:
+        """The first position from ``first`` whose token is ``stop`` (None: never)."""
+        if self._script is None:
+            return first + (stop - base - first) % self.vocab
+        at = np.flatnonzero(self._script == stop)
+        n = len(self._script)
+        return min((first + (int(j) - first) % n for j in at), default=None)
 
     def _admit(self, request: EngineRequest) -> tuple[int, int, int]:
         """The checks both paths make; the request's prompt sum, first and end positions."""
@@ -112,7 +145,23 @@ class SyntheticEngine:
             raise RequestRejected(f"request {request.request_id!r} is on the reject list")
         prompt, k = request.prompt_token_ids, request.resumed_tokens
         # A resume continues the original prompt's sequence at absolute position k.
-        return sum(prompt[: len(prompt) - k]), k, k + request.sampling.max_tokens
+        base, end = sum(prompt[: len(prompt) - k]), k + request.sampling.max_tokens
+        # Its tokens are known in advance, so is where a stop token id first comes (not before
+        # min_tokens, as vLLM masks stops): the stream ends right after it, with it.
+        first = k + request.sampling.min_tokens
+        at = [self._stop_at(base, first, t) for t in request.sampling.stop_token_ids]
+        stop = min((p for p in at if p is not None), default=end)
+        if stop < end:
+            self._stops[request.request_id] = int(self._tokens(base, np.array([stop]))[0])
+            end = stop + 1
+        return base, k, end
+
+    def _end_of(self, request_id: str) -> End:
+        """How a request's stream that reached its end ends: at its stop token, or by length."""
+        stop = self._stops.pop(request_id, None)
+        if stop is None:
+            return End(finish_reason=FinishReason.LENGTH)
+        return End(finish_reason=FinishReason.STOP, stop_reason=stop)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         base, done, end = self._admit(request)
@@ -123,6 +172,7 @@ class SyntheticEngine:
                 await asyncio.sleep(0)  # yield to the loop like a real engine's stream would
             if request.request_id in self._aborted:
                 self._aborted.discard(request.request_id)
+                self._stops.pop(request.request_id, None)
                 raise RequestAborted(request.request_id)
             n = min(self.tokens_per_chunk, end - done)
             first = done
@@ -132,14 +182,16 @@ class SyntheticEngine:
                 at = first % self.experts
                 routes = self._routes[at : at + n].copy()
             at = first % LOGPROB_PERIOD
-            ids = ((base + np.arange(first, done)) % self.vocab).astype(np.int32)
+            ids = self._tokens(base, np.arange(first, done))
             logprobs = self._logprobs[at : at + n].copy()
             top_ids, top_lps = self._top(ids, logprobs, request.sampling.logprobs)
+            last = self._end_of(request.request_id) if done == end else End()
             yield Chunk(
                 token_ids=ids,
                 logprobs=logprobs,
                 routed_experts=routes,
-                finish_reason=FinishReason.LENGTH if done == end else None,
+                finish_reason=last.finish_reason,
+                stop_reason=last.stop_reason,
                 weight_version=self._weight_version,
                 top_token_ids=top_ids,
                 top_logprobs=top_lps,
@@ -193,7 +245,7 @@ class SyntheticEngine:
         if self._routes is not None:
             routes = self._routes[positions % self.experts]
         ends, self._ends = self._ends, {}
-        token_ids = ((bases + positions) % self.vocab).astype(np.int32)
+        token_ids = self._tokens(bases, positions)
         logprobs = self._logprobs[positions % LOGPROB_PERIOD]
         # Only when some request asked: the widest k for all rows (each takes its first k).
         top_ids, top_lps = self._top(token_ids, logprobs, max(self._asks.values(), default=0))
@@ -212,7 +264,7 @@ class SyntheticEngine:
         finished = done >= end
         if finished.any():
             for i in np.flatnonzero(finished).tolist():
-                ends[ids[i]] = End(finish_reason=FinishReason.LENGTH)
+                ends[ids[i]] = self._end_of(ids[i])
             self._drop(~finished)
         return step
 
@@ -228,6 +280,7 @@ class SyntheticEngine:
         if request_id in self._ids:
             self._drop(np.array([rid != request_id for rid in self._ids], dtype=bool))
             self._ends[request_id] = End(error=RequestAborted(request_id))
+            self._stops.pop(request_id, None)
             return
         self._aborted.add(request_id)
 

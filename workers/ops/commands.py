@@ -29,8 +29,8 @@ from store.lifecycle import RolloutEnded
 from store.queue import enqueue_rollouts, rollout_queue
 from store.timeline import build as build_timeline
 from workers.errors import WorkerError
+from workers.ops import episode_text, timeline_plot
 from workers.ops import text as ops_text
-from workers.ops import timeline_plot
 
 CANCEL_REASON = "cancelled by an operator"
 
@@ -176,7 +176,10 @@ async def _show(client: RolloutClient, conn: Any, args: argparse.Namespace) -> i
     timeline = build_timeline(events)
     [now] = await rollouts_now(client.store, conn, [rid])
     if args.json:
-        _print_json({**timeline.to_dict(), "now": ops_text.now_json(now)})
+        shown = {**timeline.to_dict(), "now": ops_text.now_json(now)}
+        if timeline.state.request.episode is not None:  # a plain rollout's JSON is unchanged
+            shown["episode"] = episode_text.episode_json(timeline.state)
+        _print_json(shown)
     else:
         print(ops_text.timeline_text(timeline, now))
     if args.plot is not None:

@@ -12,6 +12,7 @@ from statemachine import LIVE, TERMINAL, Status
 from store.inspect import ClusterStatus, RolloutNow, StuckRollout
 from store.sessions import SessionCall
 from store.timeline import Entry, Timeline
+from workers.ops import episode_text
 
 
 # -- status -----------------------------------------------------------------------------------
@@ -120,6 +121,8 @@ def timeline_text(t: Timeline, now: RolloutNow) -> str:
         stamp = datetime.fromtimestamp(e.at, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
         offset = f"+{e.at - start:.3f}s"
         lines.append(f"  {stamp}  {offset:>9}  {_describe(e)}")
+    if s.request.episode is not None:
+        lines += episode_text.section(s)
     lines.append(f"now: {_now_text(now)}")
     return "\n".join(lines)
 
@@ -151,7 +154,7 @@ def _describe(e: Entry) -> str:
         return f"failed ({e.reason}) after {e.attempt} attempts: {e.detail}; {e.tokens} tokens"
     if e.kind == "cancelled":
         return f"cancelled: {e.detail or 'no reason given'}; {e.tokens} tokens kept"
-    return e.kind
+    return episode_text.describe(e) or e.kind
 
 
 def _now_text(now: RolloutNow) -> str:

@@ -109,6 +109,8 @@ def _row(t: Timeline) -> Row:
         elif e.kind in ENDINGS:
             _close(segments, e.at)
             marks.append(Mark(kind=e.kind, at=e.at, reason=e.reason))
+        elif e.kind == "tool_requested":
+            _close(segments, e.at)  # an episode's turn ends its attempt: the tool runs unbarred
     return Row(
         rollout_id=t.rollout_id, status=t.state.status.value, submitted_at=t.entries[0].at,
         segments=tuple(segments), marks=tuple(marks),

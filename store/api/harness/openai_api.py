@@ -6,6 +6,8 @@ chat messages through the API's ``--tokenizer``), run by ``Calls`` (one batch un
 call's key: ``Idempotency-Key`` header, else ``request_id``, else the session and a hash of
 the body) and answered in vLLM's form (``openai_views``). Without ``--tokenizer`` a prompt
 must be token ids, the answer's ``text`` is ``""`` and logprob tokens are ``token_id:<id>``.
+Chat ``tools`` are rendered by the template and the answer parsed for calls where the
+template renders tools (``chat_tools``, ``tool_parser``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from pydantic import ValidationError
 
 from statemachine import InvalidRequest, RolloutRequest, SamplingParams
 from store import defaults
+from store.results import RolloutResult
 
 from .. import wire
 from ..errors import ApiError, from_validation
 from ..route import Route
+from . import chat_tools
 from . import openai_schemas as s
 from . import openai_views as views
 from .call import Call, Calls
@@ -39,7 +43,8 @@ ROUTES: tuple[Route, ...] = (
           "a group of n rollouts; a retry under the same key attaches",
           s.ChatCompletionRequest, s.ChatCompletionResponse, _ERRORS, harness=True,
           needs_tokenizer=("messages", "chat needs an API started with --tokenizer (its chat "
-                                       "template)")),
+                                       "template)"),
+          no_tools_body=s.ChatCompletionNoToolsRequest),
 )  # fmt: skip
 
 # Why each feature vLLM has is refused (its neutral value is accepted: see openai_schemas).
@@ -70,8 +75,8 @@ REFUSED: dict[str, str] = {
     "cache_salt": _NO + "cache_salt",
     "kv_transfer_params": _NO + "KV transfer",
     "vllm_xargs": _NO + "vllm_xargs",
-    "tools": _NO + "tools in chat (until episodes exist)",
-    "tool_choice": _NO + "tools in chat (tool_choice: only none)",
+    "tool_choice": _NO + 'tool_choice "required" or a named function (each needs guided '
+    'decoding to be kept): "auto" or "none"',
     "reasoning_effort": _NO + "reasoning_effort",
     "continue_final_message": _NO + "continue_final_message",
     "add_special_tokens": _NO + "add_special_tokens true in chat (the template has them)",
@@ -147,6 +152,8 @@ class Handlers:
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
         self.tokenizer: Any = calls.client.tokenizer  # a transformers tokenizer, or None
+        # Checked once: the template is the API's for its lifetime.
+        self.tools = self.tokenizer is not None and chat_tools.renders_tools(self.tokenizer)
 
     async def _read(self, request: web.Request, model: type[s._Sampling]) -> tuple[bytes, Any]:
         raw = await request.read()
@@ -200,6 +207,7 @@ class Handlers:
         if body.top_logprobs and not body.logprobs:
             raise ApiError(422, "invalid_request", "top_logprobs: needs logprobs true",
                            "top_logprobs")  # fmt: skip
+        tool_choice = chat_tools.choice(body, self.tools)
         prompt = self._template(body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -209,6 +217,10 @@ class Handlers:
         call_id, results = await self._run(request, "chat_completions", raw, body, prompt,
                                            sampling, renames)  # fmt: skip
         show = views.Tokens(self.tokenizer, bool(body.return_tokens_as_token_ids))
+
+        def message(r: RolloutResult) -> tuple[dict[str, Any], bool]:
+            return chat_tools.message(r, self.tokenizer, tool_choice, body.parallel_tool_calls)
+
         out = views.chat(
             results,
             call_id=call_id,
@@ -216,21 +228,16 @@ class Handlers:
             top_logprobs=top,
             token_ids=bool(body.return_token_ids),
             show=show,
+            message=message,
         )
         return _reply(out)
 
     def _template(self, body: s.ChatCompletionRequest) -> list[int]:
-        messages = []
-        for m in body.messages:
-            content = m.content if isinstance(m.content, str) else "".join(
-                p.text for p in m.content)  # fmt: skip
-            message = {"role": m.role, "content": content}
-            if m.name is not None:
-                message["name"] = m.name
-            messages.append(message)
+        tools = chat_tools.tool_dicts(body)
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                chat_tools.messages(body), add_generation_prompt=body.add_generation_prompt,
+                tokenize=True, **({"tools": tools} if tools else {}),
                 **(body.chat_template_kwargs or {}),
             )  # fmt: skip
         except Exception as exc:  # a template's refusal is the caller's

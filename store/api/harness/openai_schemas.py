@@ -115,19 +115,55 @@ class TextPart(_Strict):
     text: str
 
 
+class ChatToolFunction(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema")
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    """A tool the model may call, rendered into the prompt by the chat template."""
+
+    type: Literal["function"] = "function"
+    function: ChatToolFunction
+
+
+class ChatCalledFunction(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str | dict[str, Any] = Field(
+        description="Its arguments as JSON text (OpenAI's form; an object is accepted too)"
+    )
+
+
+class ChatMessageToolCall(_Strict):
+    """A call an assistant message made, as a harness sends the answer's back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ChatCalledFunction
+
+
 class ChatMessage(_Strict):
     role: Annotated[str, Field(min_length=1)]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = Field(
+        None, description='null (an assistant message with tool_calls): rendered as ""'
+    )
     name: str | None = None
+    tool_calls: list[ChatMessageToolCall] | None = Field(None, description="An assistant's")
+    tool_call_id: str | None = Field(None, description="A tool message's: the call it answers")
 
 
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: messages, through ``--tokenizer``'s chat template.
     ``top_logprobs`` above 0 needs ``logprobs`` true."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
-        {"properties": {"top_logprobs": {"enum": [None, 0]}}},
-        {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"allOf": [
+        {"anyOf": [{"properties": {"top_logprobs": {"enum": [None, 0]}}},
+                   {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]},
+        # tool_choice other than "none" needs tools (vLLM's and OpenAI's rule)
+        {"anyOf": [{"properties": {"tool_choice": {"enum": [None, "none"]}}},
+                   {"required": ["tools"], "properties": {"tools": {"type": "array"}}}]},
     ]})  # fmt: skip
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -141,13 +177,27 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: Literal[False] = False
     add_special_tokens: Literal[False] = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: None = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = Field(
+        None,
+        description="Rendered by the chat template (an API whose template renders no "
+        "tools refuses them); the answer's tool calls are parsed as vLLM's hermes parser does",
+    )
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description='With tools: "auto" (the default) or "none" (the text is not parsed)'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: the first call only")
     reasoning_effort: None = None
     echo: Literal[False] | None = None
     documents: None = None
     chat_template: None = None
+
+
+class ChatCompletionNoToolsRequest(ChatCompletionRequest):
+    """``ChatCompletionRequest`` of an API whose chat template renders no tools (checked at
+    start-up with a probe tool): ``tools`` are refused, ``tool_choice`` is "none" at most."""
+
+    tools: None = None
+    tool_choice: Literal["none"] | None = None
 
 
 # -- responses (documentation: the handlers build plain dicts) ---------------------------------
@@ -197,16 +247,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob]
 
 
+class AnsweredFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text")
+
+
+class AnsweredToolCall(BaseModel):
+    id: str = Field(description="call_<24 hex>, the same for a retried call")
+    type: Literal["function"]
+    function: AnsweredFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer was tool calls only")
+    tool_calls: list[AnsweredToolCall] = Field(description="[] without tools or calls")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     stop_reason: int | str | None
     token_ids: list[int] | None = None
 

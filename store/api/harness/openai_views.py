@@ -13,6 +13,7 @@ entries, chat its first k, as vLLM does.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -124,14 +125,18 @@ def completion(
 def chat(
     results: list[RolloutResult], *, call_id: str, model: str, top_logprobs: int | None,
     token_ids: bool, show: Tokens,
+    message: Callable[[RolloutResult], tuple[dict[str, Any], bool]],
 ) -> dict[str, Any]:  # fmt: skip
+    """``message``: a sample's message and whether it called tools (``chat_tools.message``;
+    then its finish reason is ``tool_calls``, as vLLM's)."""
     choices = []
     for i, r in enumerate(results):
+        said, called = message(r)
         choice: dict[str, Any] = {
             "index": i,
-            "message": {"role": "assistant", "content": r.text or ""},
+            "message": said,
             "logprobs": None if top_logprobs is None else chat_logprobs(r, top_logprobs, show),
-            "finish_reason": _finish(r),
+            "finish_reason": "tool_calls" if called else _finish(r),
             "stop_reason": r.stop_reason,
         }
         if token_ids:

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from ..fields import Integral, SessionId
-from ..schemas import Strict, Timeout
+from ..fields import Integral, SessionId, Strict
+from ..schemas import Timeout
 
 # Whole-number floats (1.0) are ids too, as JSON Schema's integer says (``fields.Integral``).
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1), Integral]

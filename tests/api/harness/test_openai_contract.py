@@ -25,6 +25,10 @@ CASES: list[tuple[str, dict[str, Any]]] = [
                               "logprobs": True, "top_logprobs": 0, "return_token_ids": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function"}]}),  # refused
+    # A well-formed tool, refused by an API whose template (ChatML here) renders none: its
+    # document's chat body has no tools.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}),
 ]  # fmt: skip
 
 

@@ -50,8 +50,10 @@ REFUSED: list[tuple[str, str, Any]] = [
     ("completions", "temperature", -1.0),
     ("completions", "top_k", -2),
     ("completions", "seed", -1),
+    # This API's template (ChatML) renders no tools: refused, not dropped from the prompt.
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("chat/completions", "tool_choice", "auto"),
+    ("chat/completions", "tool_choice", "auto"),  # without tools
+    ("chat/completions", "tool_choice", "required"),  # needs guided decoding
     ("chat/completions", "continue_final_message", True),
     ("chat/completions", "echo", True),
     ("chat/completions", "chat_template", "{{ messages }}"),
@@ -91,3 +93,13 @@ async def test_neutral_values_of_unserved_fields_are_served(api: Api) -> None:
     async with aiohttp.ClientSession() as http, http.post(f"{api.v1}/completions", json=body) as r:
         assert r.status == 200, await r.text()
         assert len((await r.json())["choices"]) == 1
+
+
+async def test_tools_on_a_template_that_renders_none_say_so(api: Api) -> None:
+    body = {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    async with aiohttp.ClientSession() as http, http.post(f"{api.v1}/chat/completions",
+                                                          json=body) as r:  # fmt: skip
+        assert r.status == 422
+        error = (await r.json())["error"]
+    assert error["param"] == "tools"
+    assert "chat template does not support tools" in error["message"]

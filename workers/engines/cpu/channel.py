@@ -108,6 +108,9 @@ class StepBuilder:
         # rid, token, logprob, routes, version, top ([ids], [logprobs] or None)
         self.parts: list[tuple[str, Any, Any, Any, int, Any]] = []
         self.ends: dict[str, End] = {}
+        # rid -> its prompt routes (packed), with the request's first token; rare: a turn's
+        # first token after a tool result.
+        self.prompt_routes: dict[str, Any] = {}
 
     def take(self, rid: str, message: list[Any]) -> bool:
         """Add a chunk or error message of ``rid``; True if its stream ended with it."""
@@ -115,8 +118,10 @@ class StepBuilder:
             _, _, error, text = message
             self.ends[rid] = End(error=ERRORS.get(error, EngineError)(text))
             return True
-        _, _, token, logprob, routes, finish, stop_reason, version, top = message
+        _, _, token, logprob, routes, finish, stop_reason, version, top, prompt_routes = message
         self.parts.append((rid, token, logprob, routes, version, top))
+        if prompt_routes is not None:
+            self.prompt_routes[rid] = prompt_routes
         if finish is None:
             return False
         self.ends[rid] = End(finish_reason=FinishReason(finish), stop_reason=stop_reason)
@@ -148,10 +153,19 @@ class StepBuilder:
             )
             for run in runs
         ]
+        if self.prompt_routes:
+            steps = [_with_prompt_routes(step, self.prompt_routes) for step in steps]
         if not steps:
             return [Step.only_ends(self.ends)]
         steps[-1] = dataclasses.replace(steps[-1], ends=self.ends)
         return steps
+
+
+def _with_prompt_routes(step: Step, packed: dict[str, Any]) -> Step:
+    """``step`` with the prompt routes of its requests that have them (a request's first token
+    is in one step only, so each goes to exactly one)."""
+    mine = {rid: unpack_array(packed[rid]) for rid in step.request_ids if rid in packed}
+    return dataclasses.replace(step, prompt_routes=mine) if mine else step
 
 
 def _tops(tops: list[Any]) -> dict[str, Any]:
@@ -170,7 +184,7 @@ def _tops(tops: list[Any]) -> dict[str, Any]:
 
 def chunk_of(message: list[Any]) -> Chunk:
     """The ``Chunk`` of a core's "chunk" message (one token of a ``generate`` stream)."""
-    _, _, token, logprob, routes, finish, stop_reason, version, top = message
+    _, _, token, logprob, routes, finish, stop_reason, version, top, prompt_routes = message
     return Chunk(
         token_ids=np.array([token], dtype=np.int32),
         logprobs=np.array([logprob], dtype=np.float32),
@@ -180,6 +194,7 @@ def chunk_of(message: list[Any]) -> Chunk:
         weight_version=version,
         top_token_ids=None if top is None else np.array([top[0]], dtype=np.int32),
         top_logprobs=None if top is None else np.array([top[1]], dtype=np.float32),
+        prompt_routes=None if prompt_routes is None else unpack_array(prompt_routes),
     )
 
 
@@ -199,6 +214,9 @@ def still_open(step: Step, is_open: Callable[[str], bool]) -> Step:
     def kept(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else a[rows]
 
+    prompt_routes = step.prompt_routes and {
+        rid: rows for rid, rows in step.prompt_routes.items() if is_open(rid)
+    }
     return dataclasses.replace(
         step,
         request_ids=[step.request_ids[i] for i in keep],
@@ -208,6 +226,7 @@ def still_open(step: Step, is_open: Callable[[str], bool]) -> Step:
         top_token_ids=kept(step.top_token_ids),
         top_logprobs=kept(step.top_logprobs),
         ends=ends,
+        prompt_routes=prompt_routes or None,
     )
 
 

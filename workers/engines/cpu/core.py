@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from statemachine.arrays import pack_array
@@ -55,6 +56,11 @@ class _Seq:
     cache: Any = None
     n_cached: int = 0
     generator: torch.Generator = field(default_factory=torch.Generator)
+    # Prompt routes asked for (``EngineRequest.prompt_routes_from``) until the first token is
+    # sampled, and the rows its prefill has routed so far (one per forward from position
+    # routes_from - 1 on): what the first chunk carries.
+    routes_from: int | None = None
+    prompt_routes: list[np.ndarray] = field(default_factory=list)
 
 
 class EngineCore:
@@ -86,9 +92,10 @@ class EngineCore:
     def handle(self, message: list[Any]) -> None:
         kind = message[0]
         if kind == "add":
-            _, serial, prompt, sampling, resumed = message
+            _, serial, prompt, sampling, resumed, routes_from = message
             try:
-                self._add(serial, prompt, SamplingParams.from_dict(sampling), resumed)
+                params = SamplingParams.from_dict(sampling)
+                self._add(serial, prompt, params, resumed, routes_from)
             except Exception as exc:
                 # A request the core cannot take (its sampling parameters, its stop settings)
                 # fails alone, as the request's fault; the core and the rest go on.
@@ -112,7 +119,14 @@ class EngineCore:
         else:
             raise ValueError(f"unknown engine message {kind!r}")
 
-    def _add(self, serial: int, prompt: list[int], sampling: SamplingParams, resumed: int) -> None:
+    def _add(
+        self,
+        serial: int,
+        prompt: list[int],
+        sampling: SamplingParams,
+        resumed: int,
+        routes_from: int | None,
+    ) -> None:
         stop = StopChecker(
             sampling,
             eos_token_ids=self.model.eos_token_ids,
@@ -121,7 +135,8 @@ class EngineCore:
             prior=prompt[len(prompt) - resumed :] if resumed else (),
         )
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
-        self._active.append(_Seq(serial, sampling, stop, seed, list(prompt), len(prompt)))
+        seq = _Seq(serial, sampling, stop, seed, list(prompt), len(prompt), routes_from=routes_from)
+        self._active.append(seq)
 
     def _fail(self, serial: int, kind: str, message: str) -> None:
         self._out.append(["error", serial, kind, message])
@@ -155,9 +170,11 @@ class EngineCore:
             return
         self.weight_version = version
         for seq in self._active:
-            # KV computed under the old weights is stale: recompute from scratch.
+            # KV computed under the old weights is stale: recompute from scratch (and the
+            # prompt routes with it: the first token's weights route them).
             seq.cache = None
             seq.n_cached = 0
+            seq.prompt_routes = []
         self._out.append(["loaded", token, None, ""])
 
     def _step(self, seq: _Seq) -> bool:
@@ -167,8 +184,12 @@ class EngineCore:
             seq.cache = model.new_cache()
         last = len(seq.tokens) - 1
         budget = PREFILL_TOKENS_PER_ROUND
+        # The prefill's routes are kept from this position on (``last``: none are asked).
+        keep_from = last if seq.routes_from is None else seq.routes_from - 1
         while seq.n_cached < last and budget > 0:
-            model.forward(seq.tokens[seq.n_cached], seq.cache)
+            _, routing = model.forward(seq.tokens[seq.n_cached], seq.cache)
+            if seq.n_cached >= keep_from and routing is not None:  # None: a dense model
+                seq.prompt_routes.append(routing)
             seq.n_cached += 1
             budget -= 1
         if seq.n_cached < last:
@@ -190,10 +211,16 @@ class EngineCore:
         seq.tokens.append(token)
         finish, stop_reason = seq.stop.check(seq.tokens[seq.n_prompt :], len(seq.tokens))
         routes = None if routing is None else pack_array(routing[None])
+        prompt_routes = None
+        if seq.routes_from is not None:  # the first token: its chunk carries them, once
+            if seq.prompt_routes:
+                prompt_routes = pack_array(np.stack(seq.prompt_routes))
+            seq.routes_from, seq.prompt_routes = None, []
         # Top-k only when asked: the k=0 path computes nothing more than it did before.
         top = top_logprobs(logits, params.logprobs) if params.logprobs else None
         self._out.append(
             ["chunk", seq.serial, token, logprob, routes,
-             None if finish is None else finish.value, stop_reason, self.weight_version, top]
+             None if finish is None else finish.value, stop_reason, self.weight_version, top,
+             prompt_routes]
         )  # fmt: skip
         return finish is not None

@@ -165,10 +165,7 @@ class CpuEngine(InFlightEngine[_Stream]):
             with self._lock:
                 self._raise_if_gone()  # under the lock: the reader's last sweep sees this sink
                 self._sinks[stream.serial] = (loop, queue)
-            self._send(
-                ["add", stream.serial, list(request.prompt_token_ids),
-                 request.sampling.to_dict(), request.resumed_tokens]
-            )  # fmt: skip
+            self._send(_add_message(stream.serial, request))
             while True:
                 item = await queue.get()
                 if stream.aborted:
@@ -199,10 +196,7 @@ class CpuEngine(InFlightEngine[_Stream]):
             self._step_sinks[stream.serial] = rid
         self._track(rid, stream)
         self._step_open.add(rid)
-        self._send(
-            ["add", stream.serial, list(request.prompt_token_ids),
-             request.sampling.to_dict(), request.resumed_tokens]
-        )  # fmt: skip
+        self._send(_add_message(stream.serial, request))
 
     async def steps(self) -> AsyncIterator[Step]:
         out = self._step_out
@@ -409,3 +403,9 @@ class CpuEngine(InFlightEngine[_Stream]):
         with contextlib.suppress(OSError):
             self._proc.kill()
         self._proc.wait()
+
+
+def _add_message(serial: int, request: EngineRequest) -> list[Any]:
+    """The core's "add" message for ``request`` (``cpu.wire``)."""
+    return ["add", serial, list(request.prompt_token_ids), request.sampling.to_dict(),
+            request.resumed_tokens, request.prompt_routes_from]  # fmt: skip

@@ -6,7 +6,7 @@ of the core (a token for every request in flight) costs one write and one wake-u
 side. Arrays travel as `statemachine.arrays.pack_array` triples (dtype, shape, bytes).
 
 Front end to core:
-    ["add", serial, prompt_ids, sampling_dict, resumed_tokens]
+    ["add", serial, prompt_ids, sampling_dict, resumed_tokens, prompt_routes_from | None]
     ["abort", serial]
     ["load", token, source, version]
     ["health", token]
@@ -15,7 +15,8 @@ Core to front end:
     ["ready", {"vocab_size", "max_positions", "pid"}]  first, once the model is loaded
     ["fatal", kind, message]                            instead of ready, then the core exits
     ["chunk", serial, token_id, logprob, routes | None, finish | None, stop_reason, version,
-     top | None]                                         top: [[k ids], [k logprobs]] (logprobs=k)
+     top | None, prompt_routes | None]                   top: [[k ids], [k logprobs]] (logprobs=k)
+                                                         prompt_routes: first chunk, if asked
     ["error", serial, kind, message]                    the request is over
     ["loaded", token, kind | None, message]             a load finished (kind None: it worked)
     ["health", token, requests_in_flight, weight_version]
