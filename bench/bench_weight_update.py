@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from watch import Watch, still_going
 
-from statemachine import Cancelled, RolloutRequest, SamplingParams, TokensAppended
+from statemachine import RolloutRequest, SamplingParams, TokensAppended
+from store import lifecycle
 from store.client import RolloutClient
 from store.redis_server import RedisServer
 from workers.checkpoint import Cadence
@@ -155,13 +156,9 @@ async def updates(
     t_pub = time.time()
     await client.publish_weights(2, str(a))
     fresh = await client.submit(requests(args.rollouts, args.max_tokens))
-    for rid in ids2:  # the in-memory way: their tokens are gone; cancel the records too
-        s = await client.store.load(rid)
-        if not s.terminal:
-            await client.store.append(
-                s,
-                Cancelled(rollout_id=rid, seq=s.seq + 1, reason="baseline: restart from scratch"),
-            )
+    # The in-memory way: their tokens are gone; cancel the records too, through the trainer's
+    # cancel (a hand-made append raced the worker's checkpoints: SequenceConflict under load).
+    await lifecycle.cancel(client.store, ids2, "baseline: restart from scratch", refuse_ended=False)
     baseline_resume = max([await first_token_at(client, rid, 2) for rid in fresh]) - t_pub
     await client.wait(fresh, timeout=600)
     resume_s = resumed_at - published.at

@@ -48,7 +48,9 @@ async def test_compare_reports_the_cpu_matched_side(server: RedisServer) -> None
     side = await compare(engine, server.url, requests(8, 16), 4, 2, cpu_matched=True, redis_pid=pid)
     figures = side.figures(8 * 16)
     assert len(side.matched_s) == len(side.durable_s) == 2
-    assert 0.0 < figures["cpu_added_share_of_a_core"] < 1.0
+    # 0 is a figure: the added share is clamped there when a loaded machine's noise makes the
+    # durable side's measured CPU less than the engine's alone (a full CI run, 8 x 16 tokens).
+    assert 0.0 <= figures["cpu_added_share_of_a_core"] < 1.0
     assert figures["cpu_matched_ratio"] > 0 and figures["ratio_beyond_cpu"] > 0
     assert len(figures["ratio_beyond_cpu_each"]) == 2
     lo, hi = figures["ratio_ci95"]

@@ -293,8 +293,10 @@ async def test_a_disconnected_callers_rollout_is_kept_or_cancelled(
             await until(lambda: _status_is(client, rid, Status.CANCELLED), timeout=30)
         else:
             # The API stops waiting for a caller that left: its one place (--max-waiting 1)
-            # is free for the next call while the kept rollout still generates.
-            other = await call(oai(api), 8, session="s-next")
+            # is free for the next call while the kept rollout still generates. It frees the
+            # place when it sees the disconnect, which a loaded machine may delay past the
+            # give-up: the next call retries its 429s meanwhile (the rollout takes ~5 s).
+            other = await _call_once_placed(api, session="s-next")
             assert other.choices[0].token_ids
             assert (await client.store.load(rid)).status is not Status.DONE
             [r] = await client.wait([rid], timeout=120)
@@ -303,6 +305,18 @@ async def test_a_disconnected_callers_rollout_is_kept_or_cancelled(
         stop(w)
         api.stop()
     assert "unexpected error" not in api.log.read_text()
+
+
+async def _call_once_placed(api: ApiProcess, session: str, within_s: float = 10.0) -> Any:
+    """An 8-token call, retried on 429 (no place free yet) for at most ``within_s``."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        try:
+            return await call(oai(api), 8, session=session)
+        except openai.RateLimitError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 async def _status_is(client: RolloutClient, rid: str, status: Status) -> bool:
