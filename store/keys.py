@@ -174,6 +174,12 @@ class Keys:
         indexes a call rings it in the same slot."""
         return f"{self.namespace}:env:{{{check_batch_id(queue)}}}:bell"
 
+    def episode_deadlines(self) -> str:
+        """The wall-time deadlines of episodes awaiting their tool (a sorted set: member rollout
+        id, score = when ``max_wall_seconds`` run out, unix ms), kept by the appends beside
+        the environment queues (lua/tool_call_index.lua), read by ``store.tool_sweep``."""
+        return f"{self.namespace}:episode-deadlines"
+
     def tool_leases(self) -> str:
         """The lease index of every claimed tool call (a sorted set: member rollout id, score =
         expiry, unix ms by Redis's clock), as ``leases`` is for generation attempts: an

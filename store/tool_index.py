@@ -33,11 +33,20 @@ def live_claim(state: RolloutState) -> str:
     return claim_fence(call.call_id, call.live_claim)
 
 
+def wall_deadline_ms(state: RolloutState) -> str:
+    """When the episode's ``max_wall_seconds`` run out, unix ms by the submitter's clock (as
+    ``submitted_at`` is stamped); "" when it has no such budget."""
+    episode = state.request.episode
+    if episode is None or episode.max_wall_seconds is None:
+        return ""
+    return str(int(1000 * (state.submitted_at + episode.max_wall_seconds)))
+
+
 def index_call(keys: Keys, calls: Sequence[_Prepared], lease_ms: int) -> scripts.Call | None:
     """The step that follows one round's append script: ``lua/tool_call_index.lua`` over the
     episodes' events of ``calls`` (None when there is none, the plain rollouts' case).
     ``lease_ms``: the lease a claim landing in the round gets."""
-    script_keys: list[str] = [keys.tool_leases(), keys.leases()]
+    script_keys: list[str] = [keys.tool_leases(), keys.leases(), keys.episode_deadlines()]
     args: list[scripts.Arg] = [lease_ms]
     for p in calls:
         episode = p.state.request.episode
@@ -45,7 +54,8 @@ def index_call(keys: Keys, calls: Sequence[_Prepared], lease_ms: int) -> scripts
             continue
         q = episode.env_queue
         script_keys += [p.keys[1], keys.env_queue(q), keys.env_bell(q)]
-        args += [p.event.rollout_id, p.event.seq, p.head, live_claim(p.state)]
+        args += [p.event.rollout_id, p.event.seq, p.head, live_claim(p.state),
+                 wall_deadline_ms(p.state)]  # fmt: skip
     if len(args) == 1:
         return None
     return scripts.Call(scripts.TOOL_CALL_INDEX, script_keys, args)

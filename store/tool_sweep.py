@@ -5,6 +5,11 @@ call back on its queue (the next claim carries the last result's revision to res
 ``restart`` fails the episode with ``effect_unverified`` (and, under ``GroupPolicy.GROUP``,
 cancels its group's other samples, as any failure does: ``store.group_policy``).
 
+The same pass ends, with ``wall_time``, episodes whose call waited on its queue past their
+``max_wall_seconds`` with no runner claiming it (``sweep_wall_time``): a claim, a result and a
+worker beginning the next turn check the budget themselves, so this is for a queue nobody
+serves in time.
+
 Run by every environment runner (``rollouts env``, ``workers/env/upkeep.py``) and every
 worker's reaper (every ``TOOL_SWEEP_S``), so a dead runner's calls are recovered whoever
 serves the tools (runners, or a harness over HTTP). Several sweepers at once are safe:
@@ -20,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from statemachine import Status, episode_commands
+from statemachine.errors import CodecError
 from store import defaults, scripts
 from store.errors import AppendRefused, RolloutNotFound
 from store.event_store import EventStore
@@ -87,3 +93,46 @@ async def _lose(store: EventStore, rid: str, expiry: int, clock: Callable[[], fl
     if after.status is Status.FAILED:
         await cancel_siblings(store, after)
     return True
+
+
+async def sweep_wall_time(
+    store: EventStore, *, limit: int = 100, clock: Callable[[], float] = time.time
+) -> list[str]:
+    """One pass: the episodes awaiting their tool call whose wall time ran out, ended here
+    with ``wall_time``. Due entries are picked by this host's clock, and the budget decided
+    by it too (``episode_commands.end_on_budget``), as every other check of it is."""
+    key = store.keys.episode_deadlines()
+    due = await store.redis.zrangebyscore(key, "-inf", int(1000 * clock()), start=0, num=limit)
+    ended = []
+    for raw in due:
+        rid = raw.decode()
+        try:
+            state = await store.head(rid)
+        except RolloutNotFound:
+            await store.redis.zrem(key, rid)  # deleted: the entry outlived its episode
+            continue
+        except CodecError:
+            continue  # unreadable: the reaper quarantines it; nobody can act on it here
+        if state.terminal:
+            # Ended by an append that kept no index (none does today: a safety net); it can
+            # never be due again.
+            await store.redis.zrem(key, rid)
+            continue
+        events = episode_commands.end_on_budget(state, clock())
+        if state.status is not Status.AWAITING_TOOL or not events:
+            # Claimed since the look (the claim's step took it off), or not due by this
+            # host's clock yet: the next pass looks again.
+            continue
+        try:
+            await store.append_chain(state, events)
+        except AppendRefused:
+            continue  # a claim, a cancel or another sweeper landed first
+        ended.append(rid)
+        call = state.pending_call.call_id if state.pending_call else "?"
+        log_event(
+            log, logging.INFO, "wall_time",
+            f"rollout {rid}: call {call} waited past the episode's wall time with no runner "
+            "claiming it; the episode ended (wall_time)",
+            rollout_id=rid, call_id=call,
+        )  # fmt: skip
+    return ended

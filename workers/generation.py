@@ -53,8 +53,17 @@ class Attempt:
     place: EnginePlace | None  # see ``RolloutRunner.run``
     request_id: str | None = None  # the engine request, once there is one
     stop: tuple[AbortReason, str] | None = None  # why ``stop`` was asked, if it was
+    # A budget that ends the rollout mid-stream (an episode's wall time): its request is
+    # aborted, and the tokens so far are kept and finished with this reason, not aborted.
+    finish_on: FinishReason | None = None
+    ending: asyncio.Future[None] | None = None  # the abort ``finish_on`` sent, while it runs
     freed: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when ``run`` returns
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the attempt's request is to be aborted (to save and give back, or to end)."""
+        return self.stop is not None or self.finish_on is not None
 
     def nearly_free(self) -> None:
         if self.place is not None:
@@ -153,7 +162,7 @@ class Generation:
     ) -> RunResult:
         """``generate`` on one ``generate`` stream of the engine's, in this rollout's task."""
         rid = state.rollout_id
-        if attempt.stop is not None:
+        if attempt.stopping:
             # stop() came while the attempt was being opened, before there was a request.
             await self.engine.abort(request.request_id)
         buffer: list[Chunk] = []
@@ -209,7 +218,7 @@ class Generation:
         try:
             near = attempt.nearly_free if self.prefetch_tokens else None
             track = await stepper.open(state, request, nearly_free=near)
-            if attempt.stop is not None:
+            if attempt.stopping:
                 # stop() came while the attempt was being opened, before there was a request.
                 await stepper.abort(request.request_id)
             try:
@@ -233,6 +242,12 @@ class Generation:
     ) -> RunResult:
         """Record how an engine error ended the stream, with the tokens not yet saved."""
         if isinstance(exc, RequestAborted):
+            if attempt.finish_on is not None and attempt.stop is None:
+                # Our own abort for a budget: the rollout ends here with what it has. (An
+                # abort to save and give back, asked first, stays one: whoever takes the
+                # rollout next finds the budget spent when it begins.)
+                done = await self.finish(attempt, state, rest, attempt.finish_on, None)
+                return RunResult(Outcome.FINISHED, done)
             reason, detail = attempt.stop or (AbortReason.SHUTDOWN, "")
             return RunResult(Outcome.ABORTED, await self._abort(state, rest, reason, detail))
         if isinstance(exc, RequestRejected):

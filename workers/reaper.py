@@ -55,7 +55,7 @@ from store.leases import Leases
 from store.logs import log_event
 from store.presence import PresenceWatch
 from store.queue import JobWriter, give_back, rollout_queue
-from store.tool_sweep import sweep_lost_calls
+from store.tool_sweep import sweep_lost_calls, sweep_wall_time
 from workers.backoff import Backoff
 from workers.failures import record_failure, worker_lost_aborts
 from workers.outcomes import Stats
@@ -106,6 +106,7 @@ class Reaper:
         self.quarantined = 0
         self.recovered_gone = 0  # of ``recovered``: rollouts of workers whose process was gone
         self.lost_calls = 0  # tool calls whose environment runner was lost (store.tool_sweep)
+        self.wall_time_ended = 0  # episodes ended waiting on a tool past their wall time
         # Lost runners' calls are swept every TOOL_SWEEP_S, not every pass: a runner's lease is
         # 15 s, so a pass a second would add a script call per worker per second for nothing.
         self.tool_sweep_s = defaults.TOOL_SWEEP_S
@@ -160,11 +161,13 @@ class Reaper:
 
     async def _sweep_tool_calls(self) -> None:
         """Lost environment runners: their calls' effects are decided here too (every
-        ``tool_sweep_s``), so a deployment recovers them whether or not its runners sweep."""
+        ``tool_sweep_s``), so a deployment recovers them whether or not its runners sweep;
+        and episodes whose call no runner claimed within their wall time end."""
         if time.monotonic() - self._swept_at < self.tool_sweep_s:
             return
         try:
             self.lost_calls += len(await sweep_lost_calls(self.store))
+            self.wall_time_ended += len(await sweep_wall_time(self.store))
             self._swept_at = time.monotonic()
         except Exception as exc:
             # Redis hiccup: the lapsed tool leases are still there next time.

@@ -21,6 +21,7 @@ from statemachine import (
     LIVE,
     AbortReason,
     FailureClass,
+    FinishReason,
     RolloutState,
     Status,
     commands,
@@ -141,6 +142,18 @@ class RolloutRunner:
         if attempt.request_id is not None:
             await self.generation.abort_request(attempt.request_id)
 
+    def _end_on_budget(self, attempt: Attempt, reason: FinishReason) -> None:
+        """A budget ran out mid-stream: abort the attempt's request so that it finishes with
+        ``reason`` (``Generation._ended_by``). Nothing if a stop came first."""
+        if attempt.stopping:
+            return
+        attempt.finish_on = reason
+        if attempt.request_id is not None:
+            # Held by the attempt: a task only the loop references may be collected mid-run.
+            attempt.ending = asyncio.ensure_future(
+                self.generation.abort_request(attempt.request_id)
+            )
+
     async def run(
         self,
         rollout_id: str,
@@ -260,16 +273,36 @@ class RolloutRunner:
                 return RunResult(
                     Outcome.WRONG_MODEL, state, _wrong_model(state.model, self.model_id)
                 )
-            if state.remaining_tokens == 0 or context_full(state, self.engine.limits):
-                # The budget was used up before an abort, or a capped rollout filled the
-                # context: finish without asking the engine.
-                reason = turns.length_reason(state, 0)
-                done = await self.generation.finish(attempt, state, None, reason, None)
-                return RunResult(Outcome.FINISHED, done)
-            return await self.generation.generate(state, attempt)
+            return await self._generate_or_end(state, attempt)
         except AppendRefused:
             # Fenced out: our attempt is no longer the live one. Someone else owns it now.
             return RunResult(Outcome.LOST, await self.store.load(rollout_id))
+
+    async def _generate_or_end(self, state: RolloutState, attempt: Attempt) -> RunResult:
+        """The begun attempt's generation, or its end at once when a budget leaves it none."""
+        wall_left = turns.wall_time_left(state, time.time())
+        if wall_left is not None and wall_left <= 0:
+            # An episode's wall time ran out while it waited for a worker (pending, aborted or
+            # between turns): it ends with what it has, without the engine.
+            done = await self.generation.finish(attempt, state, None, FinishReason.WALL_TIME, None)
+            return RunResult(Outcome.FINISHED, done)
+        if state.remaining_tokens == 0 or context_full(state, self.engine.limits):
+            # The budget was used up before an abort, or a capped rollout filled the context:
+            # finish without asking the engine.
+            reason = turns.length_reason(state, 0)
+            done = await self.generation.finish(attempt, state, None, reason, None)
+            return RunResult(Outcome.FINISHED, done)
+        if wall_left is None:
+            return await self.generation.generate(state, attempt)
+        # The turn is cut at the wall-time deadline: its tokens so far are kept and the
+        # episode finishes with that reason.
+        timer = asyncio.get_running_loop().call_later(
+            wall_left, self._end_on_budget, attempt, FinishReason.WALL_TIME
+        )
+        try:
+            return await self.generation.generate(state, attempt)
+        finally:
+            timer.cancel()
 
     async def _worker_lost_budget_spent(self, state: RolloutState) -> RunResult | None:
         """A takeover is a lost worker too: if this one spends the rollout's worker-lost budget,

@@ -157,6 +157,17 @@ def length_reason(state: RolloutState, produced: int) -> FinishReason:
     return FinishReason.LENGTH
 
 
+def wall_time_left(state: RolloutState, now: float) -> float | None:
+    """Seconds until the episode's ``max_wall_seconds`` since submission run out (<= 0: they
+    have), by ``now`` (this host's clock, as the submitter's stamped ``submitted_at``: the
+    budget is a wall-clock one, and hosts are expected to keep time within the budget's
+    precision); None for a plain rollout or an episode without that budget."""
+    episode = state.request.episode
+    if episode is None or episode.max_wall_seconds is None:
+        return None
+    return state.submitted_at + episode.max_wall_seconds - now
+
+
 def engine_tokenizer(engine: Any) -> Any:
     """The engine's tokenizer (``tokenizer``), else its model directory's (``source``, when it
     holds a tokenizer), else None."""

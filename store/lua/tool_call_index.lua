@@ -11,7 +11,11 @@
 --           and the one its last turn held goes here, in the step that ended the turn. Its
 --           worker dropping it later could remove the lease of a worker that has taken the
 --           next turn since (a quick tool's result pushes that turn's job at once).
--- then per event i (from 0), with k = 3 + 3i:
+-- KEYS[3]   the wall-time deadlines of episodes awaiting their tool (a sorted set: member
+--           rollout id, score = submitted_at + max_wall_seconds, unix ms by the submitter's
+--           clock): what a sweep ends with wall_time when no runner claims the call in time
+--           (store/tool_sweep.py); an episode is on it exactly while it is on its queue
+-- then per event i (from 0), with k = 4 + 3i:
 -- KEYS[k]   its rollout's snapshot (fields seq, st, head from lua/append.lua; this script
 --           keeps "tc", the live claim of the episode's pending call, for tool_heartbeat.lua:
 --           its number and its call, as store/tool_index.py's claim_fence spells them)
@@ -22,10 +26,11 @@
 --           a queue nobody serves keeps no more than that (a runner that comes finds some
 --           rung for calls already claimed, looks, finds nothing, and waits again)
 -- ARGV[1]   the lease TTL of a claim that lands here, ms
--- then per event i, with a = 1 + 4i:
+-- then per event i, with a = 1 + 5i:
 -- ARGV[a+1] its rollout id        ARGV[a+2] its seq
 -- ARGV[a+3] the snapshot head it wrote (lua/append.lua's ARGV)
 -- ARGV[a+4] the live claim after it, as claim_fence spells it ("0": none)
+-- ARGV[a+5] its wall-time deadline, unix ms ("": the episode has none)
 --
 -- Returns one integer per event: 1 if its indexes were set, 0 if the event did not land.
 --
@@ -37,12 +42,12 @@
 -- awaiting_tool episodes for a writer that died between the two steps.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local leases, generation = KEYS[1], KEYS[2]
+local leases, generation, deadlines = KEYS[1], KEYS[2], KEYS[3]
 local BELL_MAX = 64
 local out = {}
-for i = 0, (#ARGV - 1) / 4 - 1 do
-  local snapkey, queue, bell = KEYS[3 + 3 * i], KEYS[4 + 3 * i], KEYS[5 + 3 * i]
-  local a = 1 + 4 * i
+for i = 0, (#ARGV - 1) / 5 - 1 do
+  local snapkey, queue, bell = KEYS[4 + 3 * i], KEYS[5 + 3 * i], KEYS[6 + 3 * i]
+  local a = 1 + 5 * i
   local rid, claim = ARGV[a + 1], ARGV[a + 4]
   local snap = redis.call('HMGET', snapkey, 'seq', 'head', 'st', 'tc')
   if snap[1] ~= ARGV[a + 2] or snap[2] ~= ARGV[a + 3] then
@@ -54,11 +59,15 @@ for i = 0, (#ARGV - 1) / 4 - 1 do
         redis.call('LPUSH', bell, 1)
         redis.call('LTRIM', bell, 0, BELL_MAX - 1)
       end
+      if ARGV[a + 5] ~= '' then
+        redis.call('ZADD', deadlines, ARGV[a + 5], rid)
+      end
       redis.call('ZREM', leases, rid)
       redis.call('ZREM', generation, rid)
       redis.call('HDEL', snapkey, 'tc')
     elseif st == 'running_tool' then
       redis.call('ZREM', queue, rid)
+      redis.call('ZREM', deadlines, rid)
       if snap[4] ~= claim then
         -- A claim that just landed (a repeat of its append finds it recorded, and leaves
         -- a lease its runner may have renewed since alone).
@@ -67,6 +76,7 @@ for i = 0, (#ARGV - 1) / 4 - 1 do
       end
     else
       redis.call('ZREM', queue, rid)
+      redis.call('ZREM', deadlines, rid)
       redis.call('ZREM', leases, rid)
       redis.call('HDEL', snapkey, 'tc')
     end

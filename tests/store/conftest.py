@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
+import fakeredis
 import pytest
+import redis
 import redis.asyncio as aredis
 
+from store import EventStore
 from store.client import RolloutClient
+from store.environment import EnvironmentClient
 from store.redis_server import RedisServer
 
 
@@ -19,3 +24,21 @@ async def client(
     c = RolloutClient(redis_server.url)
     yield c
     await c.aclose()
+
+
+@pytest.fixture(params=["fakeredis", "redis-server"])
+async def env(request: pytest.FixtureRequest) -> AsyncIterator[EnvironmentClient]:
+    """An ``EnvironmentClient`` (one retry of a failed call) on fakeredis and on the session's
+    redis-server, emptied for the test."""
+    if request.param == "fakeredis":
+        server = fakeredis.FakeServer()
+        client: Any = fakeredis.FakeAsyncRedis(server=server)
+        sync: Any = fakeredis.FakeRedis(server=server)
+    else:
+        real: RedisServer = request.getfixturevalue("redis_server")
+        client = aredis.Redis.from_url(real.url)
+        sync = redis.Redis.from_url(real.url)
+        await client.flushall()
+    yield EnvironmentClient(EventStore(client), sync, retries=1)
+    await client.aclose()
+    sync.close()

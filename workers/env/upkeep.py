@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from store.environment import EnvironmentClient, ToolCallClaim
 from store.errors import StoreError
-from store.tool_sweep import sweep_lost_calls
+from store.tool_sweep import sweep_lost_calls, sweep_wall_time
 from workers.shutdown import is_outage
 
 log = logging.getLogger("rollouts.env")
@@ -72,6 +72,7 @@ async def sweep_loop(
         await asyncio.sleep(every_s)
         try:
             counted(len(await sweep_lost_calls(env.store)))
+            await sweep_wall_time(env.store)
         except (RedisError, OSError, StoreError) as exc:
             # Redis gone or refusing: the next pass sees the same lapsed leases.
             log.warning("lost-call sweep failed: %s", exc, exc_info=not is_outage(exc))
