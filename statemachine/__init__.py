@@ -5,15 +5,17 @@ Imports only the standard library, numpy and msgpack; no I/O happens here.
 
 from __future__ import annotations
 
-from statemachine import commands, episode_commands
+from statemachine import commands, episode_commands, harness_commands
 from statemachine.episode import EpisodeSpec, ToolEffect, ToolSpec
 from statemachine.episode_events import (
+    HARNESS_CALL,
     TOOL_EVENTS,
     ToolCallClaimed,
     ToolCallFailed,
     ToolCallLost,
     ToolCallRequested,
     ToolResultRecorded,
+    TurnRequested,
 )
 from statemachine.errors import (
     AttemptMismatch,
@@ -73,6 +75,7 @@ __all__ = [
     "DEFAULT_QUEUE",
     "EPISODE_FINISH",
     "EVENT_TYPES",
+    "HARNESS_CALL",
     "LIVE",
     "MAX_LOGPROBS",
     "TERMINAL",
@@ -127,6 +130,7 @@ __all__ = [
     "ToolSpec",
     "TopLogprobsMismatch",
     "TransitionError",
+    "TurnRequested",
     "UnknownEventType",
     "UnsupportedSchema",
     "apply",
@@ -134,4 +138,5 @@ __all__ = [
     "episode_commands",
     "fence_of",
     "fold",
+    "harness_commands",
 ]

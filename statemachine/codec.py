@@ -138,7 +138,7 @@ _Codec = tuple[type[Event], int, Callable[[Any], Fields], Callable[[Fields], Fie
 REGISTRY: dict[str, _Codec] = {
     "submitted": (
         Submitted,
-        4,
+        5,
         lambda e: {
             "request": e.request.to_dict(),
             "admitted_version": e.admitted_version,
@@ -163,7 +163,7 @@ REGISTRY: dict[str, _Codec] = {
     ),
     "finished": (
         Finished,
-        2,
+        3,
         lambda e: {
             "attempt": e.attempt,
             "finish_reason": e.finish_reason.value,
@@ -229,12 +229,19 @@ def _no_batch(f: Fields) -> Fields:
 def _submitted_version(e: Submitted) -> int:
     """v4 (its request may carry an ``episode``) only for an episode: a plain rollout's record
     is byte for byte what it was, and code that predates episodes refuses an episode's record
-    as newer instead of running it as a plain rollout."""
-    return 3 if e.request.episode is None else 4
+    as newer instead of running it as a plain rollout. v5 (the episode may be
+    harness-driven) only for a harness-driven one, for the same reason."""
+    episode = e.request.episode
+    if episode is None:
+        return 3
+    return 5 if episode.harness else 4
 
 
 def _finished_version(e: Finished) -> int:
-    """v2 (it adds the episode budget reasons) only for those reasons, as ``_aborted_version``."""
+    """v2 (it adds the episode budget reasons) only for those reasons, as ``_aborted_version``;
+    v3 (it adds ``session_end``) only for that one."""
+    if e.finish_reason is FinishReason.SESSION_END:
+        return 3
     return 2 if e.finish_reason in EPISODE_FINISH else 1
 
 
@@ -267,7 +274,9 @@ UPCASTERS: dict[tuple[str, int], Callable[[Fields], Fields]] = {
     ("tokens_appended", 2): _no_observation_routes,
     # These versions add values (an optional request field, reasons, classes), no field:
     ("submitted", 3): dict,
+    ("submitted", 4): dict,
     ("finished", 1): dict,
+    ("finished", 2): dict,
     ("failed", 2): dict,
     **EPISODE_UPCASTERS,
 }

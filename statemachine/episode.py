@@ -71,7 +71,13 @@ class EpisodeSpec:
 
     ``env_queue`` names the environment queue its tool calls wait on: the runners that serve
     that queue (a sandbox image, a set of tools) claim them. It names a Redis key, so it
-    follows the rules of a batch id (no braces, colons, whitespace or control characters)."""
+    follows the rules of a batch id (no braces, colons, whitespace or control characters).
+
+    ``harness``: the turns are driven by whoever calls (a harness running its own tools, each
+    of its calls one turn: ``store.harness_turns``), not by tool-call stops. Every end of a
+    turn's generation (a stop, eos, the call's ``max_tokens``) ends the turn and the episode
+    waits for the next call, which feeds the tokens its prompt adds and its own sampling
+    (``TurnRequested``). Such an episode has no tool-call stops, parser or tools."""
 
     tool_call_stop_token_ids: tuple[int, ...] = ()
     tool_call_stop_strings: tuple[str, ...] = ()
@@ -82,6 +88,7 @@ class EpisodeSpec:
     max_tool_seconds: float | None = None
     max_wall_seconds: float | None = None
     env_queue: str = DEFAULT_ENV_QUEUE
+    harness: bool = False
 
     def __post_init__(self) -> None:
         ids = token_ids("tool_call_stop_token_ids", self.tool_call_stop_token_ids)
@@ -90,7 +97,14 @@ class EpisodeSpec:
         object.__setattr__(self, "tool_call_stop_strings", strings)
         if self.parser is not None and (not isinstance(self.parser, str) or not self.parser):
             raise InvalidRequest(f"parser must be a non-empty string, got {self.parser!r}")
-        if not ids and not strings and self.parser is None:
+        if not isinstance(self.harness, bool):
+            raise InvalidRequest(f"harness must be a bool, got {self.harness!r}")
+        if self.harness and (ids or strings or self.parser is not None or self.tools):
+            raise InvalidRequest(
+                "a harness-driven episode has no tool-call stops, parser or tools: its "
+                "harness ends each turn by calling again"
+            )
+        if not ids and not strings and self.parser is None and not self.harness:
             raise InvalidRequest(
                 "episode needs tool_call_stop_token_ids, tool_call_stop_strings or a parser: "
                 "without one no turn can end at a tool call"
@@ -126,6 +140,9 @@ class EpisodeSpec:
             "max_tool_seconds": self.max_tool_seconds,
             "max_wall_seconds": self.max_wall_seconds,
             "env_queue": self.env_queue,
+            # Only when set: an environment episode's record stays what it was, and code that
+            # predates harness-driven episodes refuses one's (an unknown field).
+            **({"harness": True} if self.harness else {}),
         }
 
     @classmethod

@@ -15,8 +15,10 @@ from statemachine.episode_events import (
     ToolCallLost,
     ToolCallRequested,
     ToolResultRecorded,
+    TurnRequested,
 )
 from statemachine.events import Event
+from statemachine.request import SamplingParams
 from statemachine.status import ToolFailure
 
 Fields = dict[str, Any]
@@ -85,6 +87,26 @@ def _result_v1(f: Fields) -> Fields:
     return {short: f[long] for long, short in _V1_RESULT_KEYS.items() if long in f}
 
 
+def _turn(e: TurnRequested) -> Fields:
+    # Short keys as a result's (v2): it is the record written at every turn of a harness's
+    # session, and its observation is raw little-endian bytes like a result's.
+    return {
+        "c": e.call_id,
+        "b": e.call_batch,
+        "o": pack_array(e.observation_token_ids),
+        "s": e.sampling.to_dict(),
+    }
+
+
+def _turn_from(f: Fields) -> Fields:
+    return {
+        "call_id": f["c"],
+        "call_batch": f["b"],
+        "observation_token_ids": unpack_array(f["o"]),
+        "sampling": SamplingParams.from_dict(f["s"]),
+    }
+
+
 def _failed(e: ToolCallFailed) -> Fields:
     return {
         "call_id": e.call_id,
@@ -118,6 +140,7 @@ EPISODE_CODECS: dict[str, _Codec] = {
         _lost,
         lambda f: {**f, "decision": ToolEffect(f["decision"])},
     ),
+    "turn_requested": (TurnRequested, 1, _turn, _turn_from),
 }
 
 # (type name, stored version) -> the next version's fields, merged into ``codec.UPCASTERS``.

@@ -49,7 +49,8 @@ def budget_reached(state: RolloutState, now: float | None = None) -> FinishReaso
         return FinishReason.TOOL_TIME  # a tool is next, and no tool time is left
     if episode.max_total_tokens is not None and state.context_tokens >= episode.max_total_tokens:
         return FinishReason.MAX_TOTAL_TOKENS
-    if state.num_tokens >= state.request.sampling.max_tokens:
+    if not state.harness and state.num_tokens >= state.request.sampling.max_tokens:
+        # (A harness-driven episode's max_tokens is each turn's: its next call brings more.)
         return FinishReason.LENGTH
     if (
         now is not None

@@ -21,6 +21,7 @@ from statemachine.arrays import TOKEN_DTYPE, frozen
 from statemachine.episode import ToolEffect
 from statemachine.errors import InvalidEvent
 from statemachine.events import Event
+from statemachine.request import SamplingParams
 from statemachine.status import ToolFailure
 
 
@@ -153,10 +154,72 @@ class ToolCallLost(Event):
             raise InvalidEvent("detail must be a string")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class TurnRequested(Event):
+    """A harness-driven episode's next turn (``EpisodeSpec.harness``): its harness called
+    again with a prompt that extends the episode's context. ``observation_token_ids`` are the
+    tokens that prompt adds (tool results, template tokens: fed, never sampled), recorded as
+    the pending call's observation; ``sampling`` is the call's own (its ``max_tokens`` bounds
+    this turn alone); ``call_batch`` names the call (its batch record, where a retry of the
+    call finds it). No claim: the caller is the environment, and the append's seq fences it."""
+
+    call_id: str
+    call_batch: str
+    observation_token_ids: npt.NDArray[np.int32]
+    sampling: SamplingParams
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        _text("call_id", self.call_id)
+        _text("call_batch", self.call_batch)
+        ids = frozen(self.observation_token_ids, TOKEN_DTYPE, "observation_token_ids")
+        if ids.size and int(ids.min()) < 0:
+            raise InvalidEvent("observation token ids must be >= 0")
+        object.__setattr__(self, "observation_token_ids", ids)
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidEvent("sampling must be SamplingParams")
+
+    # Read where a tool's result is (``ToolCall.result``): a harness keeps no environment state.
+    @property
+    def env_handle(self) -> str:
+        return ""
+
+    @property
+    def env_revision(self) -> str:
+        return ""
+
+    @property
+    def seconds(self) -> float:
+        return 0.0
+
+    def __len__(self) -> int:
+        return int(self.observation_token_ids.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TurnRequested):
+            return NotImplemented
+        fields = ("rollout_id", "seq", "at", "call_id", "call_batch", "sampling")
+        return all(getattr(self, f) == getattr(other, f) for f in fields) and (
+            self.observation_token_ids.tobytes() == other.observation_token_ids.tobytes()
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # holds an array
+
+
 # Events that carry a call's claim: transitions accept them only for the live claim.
 CLAIM_SCOPED = (ToolResultRecorded, ToolCallFailed, ToolCallLost)
-TOOL_EVENTS = (ToolCallRequested, ToolCallClaimed, *CLAIM_SCOPED)
-ToolEvent = ToolCallRequested | ToolCallClaimed | ToolResultRecorded | ToolCallFailed | ToolCallLost
+TOOL_EVENTS = (ToolCallRequested, ToolCallClaimed, *CLAIM_SCOPED, TurnRequested)
+ToolEvent = (
+    ToolCallRequested
+    | ToolCallClaimed
+    | ToolResultRecorded
+    | ToolCallFailed
+    | ToolCallLost
+    | TurnRequested
+)
+# What a harness-driven episode's turn end records as its "call" (``ToolCallRequested.name``):
+# the harness decides what follows, from the answer it was given.
+HARNESS_CALL = "harness"
 
 
 def _text(name: str, value: object) -> None:

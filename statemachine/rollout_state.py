@@ -258,10 +258,35 @@ class RolloutState:
 
     # -- what a resume needs ------------------------------------------------------------------
     @property
+    def harness(self) -> bool:
+        """Whether it is a harness-driven episode (``EpisodeSpec.harness``)."""
+        episode = self.request.episode
+        return episode is not None and episode.harness
+
+    @property
+    def turn_sampled(self) -> int:
+        """Sampled tokens of the turn under way (since the last call; all of a plain one's)."""
+        return self.num_tokens - (self.calls[-1].offset if self.calls else 0)
+
+    @property
+    def turn_sampling(self) -> SamplingParams:
+        """The sampling the turn under way asked for: a harness-driven episode's turn has its
+        call's own (``TurnRequested.sampling``; the first turn's is the request's); every
+        other rollout has the request's for its whole length."""
+        last = self.calls[-1] if self.calls else None
+        if self.harness and last is not None and last.result is not None:
+            return last.result.sampling  # type: ignore[union-attr]  # a TurnRequested
+        return self.request.sampling
+
+    @property
     def remaining_tokens(self) -> int:
-        """Sampled tokens the rollout may still produce: ``max_tokens`` less those so far, and
+        """Sampled tokens the rollout may still produce: ``max_tokens`` less those so far (for
+        a harness-driven episode, the turn's own ``max_tokens`` less the turn's tokens), and
         for an episode no more than its context leaves (``max_total_tokens``)."""
-        remaining = self.request.sampling.max_tokens - self.num_tokens
+        if self.harness:
+            remaining = self.turn_sampling.max_tokens - self.turn_sampled
+        else:
+            remaining = self.request.sampling.max_tokens - self.num_tokens
         episode = self.request.episode
         if episode is not None and episode.max_total_tokens is not None:
             remaining = min(remaining, episode.max_total_tokens - self.context_tokens)
@@ -273,15 +298,17 @@ class RolloutState:
         return self.request.prompt_token_ids + tuple(self.context_token_ids.tolist())
 
     def resume_sampling(self) -> SamplingParams:
-        """Sampling params for the rest of the rollout: budgets count over the whole rollout."""
-        s = self.request.sampling
+        """Sampling params for the rest of the rollout: budgets count over the whole rollout
+        (over the turn, for a harness-driven episode's turn)."""
+        s = self.turn_sampling
         remaining = self.remaining_tokens
         if remaining < 1:
             raise ValueError(f"rollout {self.rollout_id!r} has no token budget left")
+        sampled = self.turn_sampled if self.harness else self.num_tokens
         return replace(
             s,
             max_tokens=remaining,
-            min_tokens=min(remaining, max(0, s.min_tokens - self.num_tokens)),
+            min_tokens=min(remaining, max(0, s.min_tokens - sampled)),
         )
 
 

@@ -56,6 +56,10 @@ class FinishReason(StrEnum):
     MAX_TOTAL_TOKENS = "max_total_tokens"  # sampled + observation tokens fill max_total_tokens
     TOOL_TIME = "tool_time"  # its calls used up max_tool_seconds
     WALL_TIME = "wall_time"  # max_wall_seconds passed since it was submitted
+    # A harness-driven episode (``EpisodeSpec.harness``) ended with its session: its harness
+    # finished the session, a call of the session did not extend it (a new episode holds
+    # that call), or no call came for ``SESSION_IDLE_S``.
+    SESSION_END = "session_end"
 
 
 # The budget reasons an episode may end with between turns, when no attempt is running
@@ -66,6 +70,7 @@ EPISODE_FINISH: frozenset[FinishReason] = frozenset(
         FinishReason.MAX_TOTAL_TOKENS,
         FinishReason.TOOL_TIME,
         FinishReason.WALL_TIME,
+        FinishReason.SESSION_END,
     }
 )
 

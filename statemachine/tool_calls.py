@@ -16,6 +16,7 @@ from statemachine.episode_events import (
     ToolCallRequested,
     ToolEvent,
     ToolResultRecorded,
+    TurnRequested,
 )
 from statemachine.status import ToolFailure
 
@@ -58,7 +59,8 @@ class ToolCall:
     offset: int
     requested_at: float
     claims: tuple[Claim, ...] = ()
-    result: ToolResultRecorded | None = None
+    # A harness-driven episode's next call (``TurnRequested``) is its turn-end's "result".
+    result: ToolResultRecorded | TurnRequested | None = None
 
     __hash__ = None  # type: ignore[assignment]  # holds an event with an array
 
@@ -99,6 +101,8 @@ def record(calls: tuple[ToolCall, ...], event: ToolEvent) -> tuple[ToolCall, ...
         )
         return (*calls, call)
     last = calls[-1]
+    if isinstance(event, TurnRequested):
+        return (*calls[:-1], replace(last, result=event))
     if isinstance(event, ToolCallClaimed):
         claim = Claim(claim=event.claim, runner_id=event.runner_id, claimed_at=event.at)
         return (*calls[:-1], replace(last, claims=(*last.claims, claim)))

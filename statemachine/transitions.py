@@ -10,6 +10,7 @@ from statemachine.episode_events import (
     ToolCallLost,
     ToolCallRequested,
     ToolResultRecorded,
+    TurnRequested,
 )
 from statemachine.errors import (
     AttemptMismatch,
@@ -80,6 +81,8 @@ TRANSITIONS: dict[tuple[Status | None, type[Event]], Status] = {
     (RT, ToolCallLost): AT,
     (RT, Failed): Status.FAILED,
     (RT, Cancelled): Status.CANCELLED,
+    # A harness-driven episode's next call feeds its next turn: no runner claims its calls.
+    (AT, TurnRequested): NT,
     (NT, Resumed): R,
     (NT, Finished): Status.DONE,
     (NT, Failed): Status.FAILED,
@@ -100,6 +103,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ToolResultRecorded,
     ToolCallFailed,
     ToolCallLost,
+    TurnRequested,
 )
 
 
@@ -187,12 +191,11 @@ def _tokens(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
             f"logprobs={s.request.sampling.logprobs}",
         )
     n = len(e)
-    if s.num_tokens + n > s.request.sampling.max_tokens:
-        raise BudgetExceeded(
-            e.rollout_id,
-            e.seq,
-            f"{s.num_tokens} + {n} tokens exceed max_tokens {s.request.sampling.max_tokens}",
-        )
+    # A harness-driven episode's max_tokens is each turn's, as its calls asked (vLLM's).
+    sampled, cap = (s.turn_sampled, s.turn_sampling.max_tokens) if s.harness else (
+        s.num_tokens, s.request.sampling.max_tokens)  # fmt: skip
+    if sampled + n > cap:
+        raise BudgetExceeded(e.rollout_id, e.seq, f"{sampled} + {n} tokens exceed max_tokens {cap}")
     episode = s.request.episode
     if episode is not None and episode.max_total_tokens is not None:
         context = s.context_tokens
@@ -238,6 +241,10 @@ def _finished(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
         raise NotAnEpisode(
             e.rollout_id, e.seq, f"finish reason {e.finish_reason} is an episode's budget"
         )
+    if e.finish_reason is FinishReason.SESSION_END and not (s.harness and s.live_attempt == 0):
+        raise IllegalTransition(
+            e.rollout_id, e.seq, "session_end ends only a harness-driven episode between turns"
+        )
     if s.live_attempt == 0 and e.finish_reason not in EPISODE_FINISH | {FinishReason.LENGTH}:
         # Between turns only a budget ends an episode: a stop is the model's, within a turn.
         raise IllegalTransition(
@@ -279,6 +286,11 @@ def _requested(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
 def _claimed(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
     assert s is not None and isinstance(e, ToolCallClaimed)
     call = _expect_call(s, e, e.call_id)
+    if s.harness:
+        raise NotAnEpisode(
+            e.rollout_id, e.seq, "a harness-driven episode's turns are fed by its harness's "
+            "calls (TurnRequested), never claimed by a runner",
+        )  # fmt: skip
     last = call.claims[-1].claim if call.claims else 0
     if e.claim != last + 1:
         raise ClaimMismatch(
@@ -313,6 +325,24 @@ def _claim_ended(s: RolloutState | None, e: Event, after: Status) -> RolloutStat
                 e.seq,
                 f"lost call of {call.name!r} decided {e.decision}; the tool declares {declared}",
             )
+    return s.evolve(seq=e.seq, status=after, calls=record(s.calls, e))
+
+
+def _turn_requested(s: RolloutState | None, e: Event, after: Status) -> RolloutState:
+    assert s is not None and isinstance(e, TurnRequested)
+    _expect_call(s, e, e.call_id)
+    if not s.harness:
+        raise NotAnEpisode(
+            e.rollout_id, e.seq, "TurnRequested feeds only a harness-driven episode; an "
+            "environment's calls are claimed and their results recorded",
+        )  # fmt: skip
+    if e.sampling.logprobs != s.request.sampling.logprobs:
+        # Every token of an episode carries the same top-k (its arrays stay rectangular): a
+        # call asking another k is not this episode's next turn.
+        raise TopLogprobsMismatch(
+            e.rollout_id, e.seq, f"the turn asks logprobs={e.sampling.logprobs}; the episode "
+            f"records {s.request.sampling.logprobs}",
+        )  # fmt: skip
     return s.evolve(seq=e.seq, status=after, calls=record(s.calls, e))
 
 
@@ -371,4 +401,5 @@ _MUTATORS: dict[type[Event], _Mutator] = {
     ToolResultRecorded: _claim_ended,
     ToolCallFailed: _claim_ended,
     ToolCallLost: _claim_ended,
+    TurnRequested: _turn_requested,
 }

@@ -29,6 +29,7 @@ from statemachine import (
     ToolFailure,
     ToolResultRecorded,
     ToolSpec,
+    TurnRequested,
 )
 
 
@@ -214,6 +215,33 @@ def result(s: RolloutState, n: int = 3, seconds: float = 0.5, **kw: Any) -> Tool
     }
     fields.update(kw)
     return ToolResultRecorded(**fields)
+
+
+def harness_submitted(rid: str = "r1", max_tokens: int = 64, **kw: Any) -> Submitted:
+    """A harness-driven episode (``EpisodeSpec.harness``): its turns are a harness's calls."""
+    return Submitted(
+        rollout_id=rid,
+        seq=1,
+        request=RolloutRequest(
+            prompt_token_ids=(1, 2, 3),
+            sampling=SamplingParams(max_tokens=max_tokens),
+            episode=EpisodeSpec(harness=True, **kw),
+        ),
+    )
+
+
+def turn_requested(s: RolloutState, n: int = 3, max_tokens: int = 16, **kw: Any) -> TurnRequested:
+    """The harness's next call on ``s`` (awaiting its next turn): ``n`` observation tokens."""
+    fields: dict[str, Any] = {
+        "rollout_id": s.rollout_id,
+        "seq": s.seq + 1,
+        "call_id": _pending_id(s),
+        "call_batch": f"call-{len(s.calls) + 1}",
+        "observation_token_ids": np.arange(900, 900 + n, dtype=np.int32),
+        "sampling": SamplingParams(max_tokens=max_tokens),
+    }
+    fields.update(kw)
+    return TurnRequested(**fields)
 
 
 def call_failed(

@@ -35,12 +35,23 @@ from statemachine import (
 from tests import factories as f
 
 
-def state_in(status: Status | None) -> RolloutState | None:
-    """A real state in ``status``, reached through legal events only."""
+def state_in(status: Status | None, harness: bool = False) -> RolloutState | None:
+    """A real state in ``status``, reached through legal events only; with ``harness``, of a
+    harness-driven episode (whose next turn its harness feeds: no runner claims its calls, so
+    ``running_tool`` is an environment episode's state even then)."""
     if status is None:
         return None
     # An episode's request, so that every tool-call event is possible where the table allows
     # it; a plain rollout's refusal of them is tested on its own.
+    if harness and status is not Status.RUNNING_TOOL:
+        s = apply(None, f.harness_submitted(max_tokens=16))
+        turn = [f.started, f.tokens, lambda s: f.requested(s, "harness")]
+        path = {Status.AWAITING_TOOL: turn, Status.NEXT_TURN: [*turn, f.turn_requested]}
+        for make in path.get(status, []):
+            s = apply(s, make(s))
+        if status in path:
+            assert s.status is status
+            return s
     s = apply(None, f.episode_submitted(max_tokens=16))
     turn = [f.started, f.tokens, f.requested]
     path = {
@@ -89,13 +100,18 @@ def event_for(state: RolloutState | None, event_type: type) -> object:
         "ToolResultRecorded": lambda s: f.result(s),
         "ToolCallFailed": lambda s: f.call_failed(s),
         "ToolCallLost": lambda s: f.call_lost(s),
+        "TurnRequested": lambda s: (
+            f.turn_requested(s) if s.pending_call else f.turn_requested(s, call_id="turn-1")
+        ),  # fmt: skip
     }[event_type.__name__](state)
 
 
 @pytest.mark.parametrize("status", [None, *Status], ids=lambda s: str(s or "new"))
 @pytest.mark.parametrize("event_type", EVENT_TYPES, ids=lambda t: t.__name__)
 def test_every_state_event_pair(status: Status | None, event_type: type) -> None:
-    state = state_in(status)
+    # A harness's next turn is tried on a harness-driven episode (an environment episode
+    # refuses it: NotAnEpisode, tested on its own).
+    state = state_in(status, harness=event_type.__name__ == "TurnRequested")
     event = event_for(state, event_type)
     expected = TRANSITIONS.get((status, event_type))
     if expected is None:

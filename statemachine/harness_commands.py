@@ -1,0 +1,91 @@
+"""Commands of a harness-driven episode (``EpisodeSpec.harness``): each call of a harness's
+session is one turn. The worker ends a turn wherever its generation ends (``end_turn``); the
+harness's next call, whose prompt extends the episode's context, feeds the next turn
+(``request_turn``); the session's end ends the episode (``end_session``).
+
+A turn's end is recorded as ``ToolCallRequested`` named ``HARNESS_CALL`` whose arguments are
+the turn's finish (``{"finish_reason": .., "stop_reason": ..}``): the call's answer needs it,
+and the context bookkeeping of an episode's calls (offsets, observations, loss mask) then
+serves both kinds of episode unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from statemachine.commands import NewTokens, checkpoint
+from statemachine.episode_commands import end_on_budget
+from statemachine.episode_events import HARNESS_CALL, ToolCallRequested, TurnRequested
+from statemachine.errors import IllegalTransition, NotAnEpisode
+from statemachine.events import Event, Finished
+from statemachine.request import SamplingParams
+from statemachine.rollout_state import RolloutState
+from statemachine.status import FinishReason, Status
+from statemachine.tool_calls import ToolCall
+from statemachine.transitions import apply
+
+
+def end_turn(
+    state: RolloutState,
+    reason: FinishReason,
+    stop_reason: int | str | None,
+    *,
+    tokens: NewTokens | None = None,
+    now: float | None = None,
+) -> list[Event]:
+    """The live attempt's turn ended (``reason``, as the engine said): its last tokens, then
+    the turn's end, after which the episode waits for its harness's next call (or ends, when
+    a budget leaves it no next turn)."""
+    if not state.harness:
+        raise NotAnEpisode(state.rollout_id, state.seq + 1, "not a harness-driven episode")
+    events: list[Event] = []
+    if tokens is not None and len(tokens):
+        events.append(checkpoint(state, tokens))
+        state = apply(state, events[-1])
+    call_id = f"turn-{len(state.calls) + 1}"
+    events.append(
+        ToolCallRequested(
+            rollout_id=state.rollout_id,
+            seq=state.seq + 1,
+            attempt=state.attempt,
+            offset=state.num_tokens,
+            call_id=call_id,
+            name=HARNESS_CALL,
+            arguments=json.dumps(
+                {"finish_reason": reason.value, "stop_reason": stop_reason}, separators=(",", ":")
+            ),
+            idempotency_key=f"{state.rollout_id}/{call_id}",
+        )
+    )
+    return events + end_on_budget(apply(state, events[-1]), now)
+
+
+def request_turn(
+    state: RolloutState, *, call_batch: str, observation_token_ids: Any, sampling: SamplingParams
+) -> TurnRequested:
+    """The harness's call ``call_batch`` feeds the next turn: the tokens its prompt adds to the
+    episode's context, and its sampling."""
+    call = state.pending_call
+    if state.status is not Status.AWAITING_TOOL or call is None:
+        raise IllegalTransition(
+            state.rollout_id, state.seq + 1, f"no turn ended to go on from ({state.status})"
+        )
+    return TurnRequested(rollout_id=state.rollout_id, seq=state.seq + 1, call_id=call.call_id,
+                         call_batch=call_batch, observation_token_ids=observation_token_ids,
+                         sampling=sampling)  # fmt: skip
+
+
+def end_session(state: RolloutState) -> list[Event]:
+    """The session's end ends an episode waiting for its next call (``session_end``); one
+    generating a turn, or ended, is left as it is (nothing)."""
+    if not state.harness or state.status is not Status.AWAITING_TOOL:
+        return []
+    return [Finished(rollout_id=state.rollout_id, seq=state.seq + 1, attempt=0,
+                     finish_reason=FinishReason.SESSION_END)]  # fmt: skip
+
+
+def turn_finish(call: ToolCall) -> tuple[FinishReason, int | str | None]:
+    """How the turn that ended at ``call`` (a harness turn's end) finished."""
+    data = json.loads(call.arguments)
+    return FinishReason(data["finish_reason"]), data["stop_reason"]
