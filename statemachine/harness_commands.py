@@ -87,5 +87,26 @@ def end_session(state: RolloutState) -> list[Event]:
 
 def turn_finish(call: ToolCall) -> tuple[FinishReason, int | str | None]:
     """How the turn that ended at ``call`` (a harness turn's end) finished."""
-    data = json.loads(call.arguments)
+    return finish_of(call.arguments)
+
+
+def finish_of(arguments: str) -> tuple[FinishReason, int | str | None]:
+    """A harness turn end's finish, from its call's ``arguments`` as ``end_turn`` wrote them."""
+    data = json.loads(arguments)
     return FinishReason(data["finish_reason"]), data["stop_reason"]
+
+
+def current_turn(state: RolloutState) -> int:
+    """The turn under way, or the one that just ended at its call (0-based)."""
+    last = state.calls[-1] if state.calls else None
+    return last.turn if last is not None and last.result is None else len(state.calls)
+
+
+def turn_batch(state: RolloutState, turn: int) -> str:
+    """The call that asked for ``turn``: its batch id (the first turn's call is the episode's
+    own batch, which it submitted)."""
+    if turn == 0:
+        return state.membership.batch_id
+    fed = state.calls[turn - 1].result
+    assert isinstance(fed, TurnRequested), f"turn {turn} of {state.rollout_id} was not fed"
+    return fed.call_batch

@@ -74,6 +74,9 @@ class BatchInfo:
     submitted_at: float
     retention_s: int
     named_ids: tuple[str, ...]  # empty when the ids are <batch>.<group>.<sample>
+    # > 0: the call is that turn of a harness-driven episode (named_ids: the episode), and
+    # has no record of its own (``store.harness_turns``; its first call is its batch).
+    turn: int = 0
 
     @property
     def ids(self) -> list[str]:
@@ -85,6 +88,13 @@ class BatchInfo:
     def group_ids(self, group_index: int) -> list[str]:
         n = self.group_size
         return self.ids[group_index * n : (group_index + 1) * n]
+
+    @classmethod
+    def turn_of(cls, batch_id: str, at: float, rollout_id: str, turn: int) -> BatchInfo:
+        """A later turn's call of a harness session: its episode and turn (the queue and
+        retention are its episode's batch's)."""
+        return cls(batch_id=batch_id, groups=1, group_size=1, queue="", submitted_at=at,
+                   retention_s=0, named_ids=(rollout_id,), turn=turn)  # fmt: skip
 
     @classmethod
     def parse(cls, batch_id: str, fields: dict[bytes, bytes]) -> BatchInfo:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from statemachine import Status
+from statemachine import TERMINAL, Status
 from store import defaults
 from store.errors import StoreError
 from store.keys import Keys
@@ -54,13 +54,18 @@ async def follow(
     after: str = START,
     timeout: float | None = None,
     gone: Callable[[list[str]], Awaitable[Collection[str]]] | None = None,
+    turns: bool = False,
 ) -> AsyncIterator[list[Completion]]:
     """Yield the completions of the rollouts in ``wanted`` after ``after``, a block at a time
     as they arrive, until every one was delivered. Others in the stream are skipped.
 
     ``gone`` (optional) is asked, when the stream stays quiet for a while, which of the
     rollouts still awaited no longer exist (acknowledged or expired elsewhere): they will
-    never complete, so they are no longer awaited."""
+    never complete, so they are no longer awaited.
+
+    ``turns``: deliver a harness turn's end too (an episode's first call waits on its batch's
+    stream for the end of the first turn: ``store.harness_turns``); without it only ends of
+    rollouts are delivered, and such entries are skipped."""
     remaining = set(wanted)
     key = keys.completions(batch_id)
     position = after
@@ -83,9 +88,10 @@ async def follow(
         for entry_id, fields in reply[0][1]:
             position = entry_id.decode()
             rid = fields[b"r"].decode()
-            if rid in remaining:
+            status = Status(fields[b"s"].decode())
+            if rid in remaining and (turns or status in TERMINAL):
                 remaining.discard(rid)
-                block.append(Completion(position, rid, Status(fields[b"s"].decode())))
+                block.append(Completion(position, rid, status))
         if block:
             yield block
 

@@ -199,6 +199,14 @@ RETENTION_S = 24 * 3600
 # rollouts are retained from when they end, which is after the submit, by up to a call's
 # generation time.
 SESSION_GRACE_S = 3600
+# A harness-driven episode (a session's calls as the turns of one episode: store/harness_turns)
+# that waits this long for its harness's next call ends (``session_end``): its harness is gone
+# or done without saying so. An agent's tool may run minutes (a test suite, a build); an
+# hour of no call is past any tool such a harness runs between two calls.
+SESSION_IDLE_S = 3600
+# How long a harness turn's completion stream (what its call waits on) is kept after its last
+# entry: it serves the waiting call and its retries; a later retry reads the episode itself.
+TURN_STREAM_TTL_S = SESSION_GRACE_S
 # Session affinity (store/affinity.py): a session's next call is hinted to the worker that
 # started its previous one. A worker's hint list keeps at most AFFINITY_HINTS_MAX entries (the
 # newest; a hint is only a preference, its job stays on the queue) and expires

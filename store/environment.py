@@ -17,18 +17,14 @@ generation job is pushed in the same transaction (``lua/turn_job.lua``), as a re
 
 from __future__ import annotations
 
-import asyncio
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from redis import Redis as SyncRedis
-from rq import Queue
-from rq.job import Job
 
-from statemachine import RolloutState, Status, apply, codec, episode_commands
+from statemachine import RolloutState, Status, apply, episode_commands
 from statemachine.episode import ToolEffect
 from statemachine.errors import CodecError
 from statemachine.events import Event
@@ -38,8 +34,8 @@ from store import defaults, scripts
 from store.errors import AppendRefused, ClaimLost, RolloutNotFound, SequenceConflict
 from store.event_store import EventStore
 from store.group_policy import cancel_siblings
-from store.queue import JobWriter, rollout_queue
 from store.tool_index import claim_fence
+from store.turn_jobs import TurnJobs
 
 # Entries of a queue looked at per claim, oldest first: more than one, so that a runner that
 # loses the race for the first (another runner claimed it) tries the next in the same look.
@@ -124,7 +120,7 @@ class EnvironmentClient:
         self.lease_s = lease_s
         self.retries = retries
         self.clock = clock
-        self._writers: dict[str, JobWriter] = {}  # generation queue name -> its jobs' fields
+        self._jobs = TurnJobs(connection, store.keys)
 
     async def claim(
         self, queue: str, runner_id: str, lease_s: float | None = None, timeout_s: float = 0.0
@@ -259,20 +255,7 @@ class EnvironmentClient:
         after = state
         for event in chain:
             after = apply(after, event)
-        if after.status is not Status.NEXT_TURN:
-            return []
-        jobs = self._writers.get(after.queue)
-        if jobs is None:
-            # Its template asks the server's version once (blocking): per queue, in a thread.
-            queue = rollout_queue(self.connection, after.queue)
-            jobs = self._writers[after.queue] = await asyncio.to_thread(JobWriter, queue)
-        job_id = str(uuid.uuid4())
-        shared = [x for kv in jobs.shared().items() for x in kv]
-        keys = [self.store.keys.snapshot(after.rollout_id), jobs.queue.key,
-                Queue.redis_queues_keys, Job.key_for(job_id)]  # fmt: skip
-        args = [after.seq, codec.encode_snapshot(after), job_id, jobs.data(after.rollout_id),
-                jobs.description(after.rollout_id), *shared]  # fmt: skip
-        return [scripts.Call(scripts.TURN_JOB, keys, args)]
+        return await self._jobs.step(after)
 
 
 def _check_live(state: RolloutState, claim: CallFence) -> None:

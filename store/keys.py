@@ -145,6 +145,13 @@ class Keys:
         digest = hashlib.sha256(check_session_id(session_id).encode()).hexdigest()[:32]
         return f"{self.namespace}:session:{{{digest}}}"
 
+    def session_turns(self, session_id: str) -> str:
+        """A session's calls that are later turns of a harness-driven episode (a hash: call
+        batch id -> "<episode id> <turn> <fingerprint>": ``store.harness_turns``), beside the
+        session's index in its slot, kept and deleted with it. A first turn's call is its
+        episode's batch, recorded as any batch."""
+        return self.session(session_id) + ":turns"
+
     def session_worker(self, session_id: str) -> str:
         """The worker that started the session's latest call (a string; "" until one did),
         in the session index's Cluster slot and with its TTL (``store.affinity``)."""

@@ -19,11 +19,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from redis.asyncio import Redis
 
-from statemachine import codec
+from statemachine import Status, codec
 from store import batches, defaults
 from store.affinity import Affinity
 from store.batches import BatchInfo
@@ -68,9 +68,30 @@ async def note(redis: Redis, keys: Keys, session_id: str, batch_id: str, at: flo
         if retention_s > 0:
             pipe.expire(key, retention_s + defaults.SESSION_GRACE_S)
             pipe.expire(worker, retention_s + defaults.SESSION_GRACE_S)
+            # The turn index (store.harness_turns) lives as long (a missing key: a no-op).
+            pipe.expire(keys.session_turns(session_id), retention_s + defaults.SESSION_GRACE_S)
         pipe.get(worker)
         added, *_, last = await pipe.execute()
     return bool(added), (last.decode() or None) if last else None
+
+
+async def note_turn(redis: Redis, keys: Keys, session_id: str, batch_id: str, entry: str,
+                    at: float, retention_s: int) -> str | None:  # fmt: skip
+    """``note`` for a call that is a later turn of a harness-driven episode, with its turn
+    index entry (``store.harness_turns``) in the same transaction (one slot: the session's).
+    Returns the session's worker (None if none started a call yet)."""
+    key, worker, turns = keys.session(session_id), keys.session_worker(session_id), (
+        keys.session_turns(session_id))  # fmt: skip
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.zadd(key, {batch_id: at}, nx=True)
+        pipe.set(worker, "", nx=True)
+        pipe.hsetnx(turns, batch_id, entry)
+        if retention_s > 0:
+            for k in (key, worker, turns):
+                pipe.expire(k, retention_s + defaults.SESSION_GRACE_S)
+        pipe.get(worker)
+        *_, last = await pipe.execute()
+    return (last.decode() or None) if last else None
 
 
 async def begin(
@@ -112,18 +133,27 @@ async def batch_ids(redis: Redis, keys: Keys, session_id: str) -> list[str]:
 
 
 async def calls(redis: Redis, keys: Keys, session_id: str) -> list[tuple[str, float, BatchInfo]]:
-    """The session's recorded calls in order: (batch id, when made, its record)."""
+    """The session's recorded calls in order: (batch id, when made, its record). A call that
+    is a later turn of a harness-driven episode (``store.harness_turns``) has no batch record
+    of its own: its record names its episode (``BatchInfo.turn``)."""
     entries = await redis.zrange(keys.session(session_id), 0, -1, withscores=True)
     if not entries:
         return []
     async with redis.pipeline(transaction=False) as pipe:
         for b, _ in entries:
             pipe.hgetall(keys.batch(b.decode()))
-        records = await pipe.execute()
+        pipe.hgetall(keys.session_turns(session_id))
+        *records, turns = await pipe.execute()
     out = []
     for (b, at), fields in zip(entries, records, strict=True):
-        if fields:  # else acknowledged, expired, or noted by a submit that never recorded
-            out.append((b.decode(), float(at), batches.BatchInfo.parse(b.decode(), fields)))
+        batch_id = b.decode()
+        if fields:
+            out.append((batch_id, float(at), batches.BatchInfo.parse(batch_id, fields)))
+        elif b in turns:
+            rid, turn, _ = turns[b].decode().split(" ")
+            info = batches.BatchInfo.turn_of(batch_id, float(at), rid, int(turn))
+            out.append((batch_id, float(at), info))
+        # else acknowledged, expired, or noted by a submit that never recorded
     return out
 
 
@@ -138,13 +168,36 @@ async def listing(redis: Redis, keys: Keys, session_id: str) -> list[SessionCall
         heads = await pipe.execute()
     states = iter(GONE if h is None else codec.snapshot_status(h, rollout_id=r)
                   for r, h in zip(ids, heads, strict=True))  # fmt: skip
-    return [SessionCall(b, at, info, tuple(next(states) for _ in info.ids))
-            for b, at, info in found]  # fmt: skip
+    listed = [SessionCall(b, at, info, tuple(next(states) for _ in info.ids))
+              for b, at, info in found]  # fmt: skip
+    return _turn_statuses(listed)
+
+
+def _turn_statuses(listed: list[SessionCall]) -> list[SessionCall]:
+    """A call that is a turn of a harness-driven episode (``store.harness_turns``) reads as
+    its turn: done once the turn ended, which it has if a later call of the session fed the
+    episode's next turn, or if the episode waits for its next call (``awaiting_tool``: no
+    plain rollout is ever in it); a turn under way reads as its episode does."""
+    last: dict[str, int] = {}
+    for i, call in enumerate(listed):
+        for rid in call.ids:
+            last[rid] = i
+    out = []
+    for i, call in enumerate(listed):
+        statuses = tuple(
+            s if s == GONE else "done"
+            if last[rid] > i or s == Status.AWAITING_TOOL.value else s
+            for rid, s in zip(call.ids, call.statuses, strict=True)
+        )  # fmt: skip
+        out.append(replace(call, statuses=statuses))
+    return out
 
 
 async def rollouts(redis: Redis, keys: Keys, session_id: str) -> list[str]:
-    """Every rollout of the session's recorded calls, in call order (what a cancel covers)."""
-    return [r for _, _, info in await calls(redis, keys, session_id) for r in info.ids]
+    """Every rollout of the session's recorded calls, in call order (what a cancel covers),
+    each once (the turns of one episode are one rollout)."""
+    found = [r for _, _, info in await calls(redis, keys, session_id) for r in info.ids]
+    return list(dict.fromkeys(found))
 
 
 async def ack(
@@ -153,12 +206,19 @@ async def ack(
     """``RolloutClient.ack(session=)``: each call's batch acknowledged whole (``ack_batch``:
     the client's ``ack``), then the index deleted once nothing of the session is live."""
     report = AckReport()
-    for b in await batch_ids(redis, keys, session_id):
+    listed = await batch_ids(redis, keys, session_id)
+    turns = keys.session_turns(session_id)
+    for b in listed:
+        if await redis.hexists(turns, b):  # type: ignore[misc]
+            continue  # a later turn's call: acknowledged with its episode's first call
         with contextlib.suppress(RolloutNotFound):  # acknowledged or expired already
             part = await ack_batch(batch_id=b)
             report.acked.extend(part.acked)
             report.live.extend(part.live)
             report.missing.extend(part.missing)
     if not report.live:
-        await redis.unlink(keys.session(session_id), keys.session_worker(session_id))
+        # With the index go the turn calls' records and their completion streams.
+        streams = [keys.completions(b) for b in listed]
+        await redis.unlink(keys.session(session_id), keys.session_worker(session_id), turns,
+                           *streams)  # fmt: skip
     return report

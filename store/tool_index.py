@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from statemachine import RolloutState
-from store import scripts
+from statemachine import RolloutState, harness_commands
+from store import defaults, scripts
 from store.keys import Keys
 from store.prepared import _Prepared
 
@@ -35,11 +35,19 @@ def live_claim(state: RolloutState) -> str:
 
 def wall_deadline_ms(state: RolloutState) -> str:
     """When the episode's ``max_wall_seconds`` run out, unix ms by the submitter's clock (as
-    ``submitted_at`` is stamped); "" when it has no such budget."""
+    ``submitted_at`` is stamped), or, for a harness-driven episode waiting on its next call,
+    when its session goes idle (``SESSION_IDLE_S`` after the turn ended, by the clock of the
+    worker that ended it), whichever is first; "" when neither applies."""
     episode = state.request.episode
-    if episode is None or episode.max_wall_seconds is None:
+    if episode is None:
         return ""
-    return str(int(1000 * (state.submitted_at + episode.max_wall_seconds)))
+    due: list[float] = []
+    if episode.max_wall_seconds is not None:
+        due.append(state.submitted_at + episode.max_wall_seconds)
+    call = state.pending_call
+    if episode.harness and call is not None:
+        due.append(call.requested_at + defaults.SESSION_IDLE_S)
+    return str(int(1000 * min(due))) if due else ""
 
 
 def index_call(keys: Keys, calls: Sequence[_Prepared], lease_ms: int) -> scripts.Call | None:
@@ -47,15 +55,23 @@ def index_call(keys: Keys, calls: Sequence[_Prepared], lease_ms: int) -> scripts
     episodes' events of ``calls`` (None when there is none, the plain rollouts' case).
     ``lease_ms``: the lease a claim landing in the round gets."""
     script_keys: list[str] = [keys.tool_leases(), keys.leases(), keys.episode_deadlines()]
-    args: list[scripts.Arg] = [lease_ms]
+    args: list[scripts.Arg] = [lease_ms, defaults.TURN_STREAM_TTL_S]
     for p in calls:
         episode = p.state.request.episode
         if episode is None:
             continue
-        q = episode.env_queue
-        script_keys += [p.keys[1], keys.env_queue(q), keys.env_bell(q)]
+        if episode.harness:
+            # Its turn's call waits on that call's completion stream, not on a queue.
+            turn = harness_commands.current_turn(p.state)
+            stream = keys.completions(harness_commands.turn_batch(p.state, turn))
+            script_keys += [p.keys[1], stream, stream]
+            mode = "h" if turn == 0 else "ht"
+        else:
+            q = episode.env_queue
+            script_keys += [p.keys[1], keys.env_queue(q), keys.env_bell(q)]
+            mode = ""
         args += [p.event.rollout_id, p.event.seq, p.head, live_claim(p.state),
-                 wall_deadline_ms(p.state)]  # fmt: skip
-    if len(args) == 1:
+                 wall_deadline_ms(p.state), mode]  # fmt: skip
+    if len(args) == 2:
         return None
     return scripts.Call(scripts.TOOL_CALL_INDEX, script_keys, args)

@@ -8,7 +8,8 @@ cancels its group's other samples, as any failure does: ``store.group_policy``).
 The same pass ends, with ``wall_time``, episodes whose call waited on its queue past their
 ``max_wall_seconds`` with no runner claiming it (``sweep_wall_time``): a claim, a result and a
 worker beginning the next turn check the budget themselves, so this is for a queue nobody
-serves in time.
+serves in time. It ends a harness-driven episode whose harness made no call for
+``SESSION_IDLE_S`` too (``session_end``).
 
 Run by every environment runner (``rollouts env``, ``workers/env/upkeep.py``) and every
 worker's reaper (every ``TOOL_SWEEP_S``), so a dead runner's calls are recovered whoever
@@ -24,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from statemachine import Status, episode_commands
+from statemachine import Event, RolloutState, Status, episode_commands, harness_commands
 from statemachine.errors import CodecError
 from store import defaults, scripts
 from store.errors import AppendRefused, RolloutNotFound
@@ -118,7 +119,7 @@ async def sweep_wall_time(
             # never be due again.
             await store.redis.zrem(key, rid)
             continue
-        events = episode_commands.end_on_budget(state, clock())
+        events = episode_commands.end_on_budget(state, clock()) or _idle(state, clock())
         if state.status is not Status.AWAITING_TOOL or not events:
             # Claimed since the look (the claim's step took it off), or not due by this
             # host's clock yet: the next pass looks again.
@@ -129,10 +130,20 @@ async def sweep_wall_time(
             continue  # a claim, a cancel or another sweeper landed first
         ended.append(rid)
         call = state.pending_call.call_id if state.pending_call else "?"
+        why = ("its harness made no call for SESSION_IDLE_S" if state.harness
+               else "no runner claimed the call within the episode's wall time")  # fmt: skip
         log_event(
             log, logging.INFO, "wall_time",
-            f"rollout {rid}: call {call} waited past the episode's wall time with no runner "
-            "claiming it; the episode ended (wall_time)",
+            f"rollout {rid}: {why} ({call}); the episode ended ({events[-1].finish_reason})",  # type: ignore[attr-defined]
             rollout_id=rid, call_id=call,
         )  # fmt: skip
     return ended
+
+
+def _idle(state: RolloutState, now: float) -> list[Event]:
+    """``session_end`` for a harness-driven episode whose harness made no call for
+    ``SESSION_IDLE_S`` after its last turn ended; nothing otherwise."""
+    call = state.pending_call
+    if not state.harness or call is None or now < call.requested_at + defaults.SESSION_IDLE_S:
+        return []
+    return harness_commands.end_session(state)

@@ -9,6 +9,10 @@ version -1, as an episode's observation tokens) and its response (``loss_mask`` 
 logprobs and per-token weight versions; an episode's response keeps its own mask). ``turns``
 are the ``[start, end)`` spans of sampled tokens.
 
+A harness's calls under one session are the turns of one harness-driven episode
+(``store.harness_turns``), which records only the tokens each call's prompt adds; each call is
+read here as its turn (``store.turn_results``), so a trajectory reads the same either way.
+
 A call whose prompt does not extend the previous call's context (the harness dropped or
 rewrote history, retokenized a response differently, or summarized) starts a new ``Segment``
 with the reason; nothing is spliced. A call of ``n`` samples is followed through the sample
@@ -34,6 +38,7 @@ from store import sessions
 from store.batches import BatchInfo
 from store.keys import Keys
 from store.results import RolloutResult
+from store.turn_results import is_harness, turn_result
 
 OBSERVED_VERSION = -1  # the weight version of a token no weights sampled (as an episode's)
 
@@ -219,7 +224,14 @@ async def load_trajectory(
     # submit that crashed before it recorded the call: store.sessions).
     listed = await sessions.batch_ids(redis, keys, session_id)
     found = await sessions.calls(redis, keys, session_id)
-    ids = [rid for _, _, info in found for rid in info.ids]
+    ids = list(dict.fromkeys(rid for _, _, info in found for rid in info.ids))
     by_id = {r.rollout_id: r for r in await results(ids, skip_gone=True)}
-    calls = {b: (info, [by_id[r] for r in info.ids if r in by_id]) for b, _, info in found}
+    calls = {b: (info, [_answer(by_id[r], info) for r in info.ids if r in by_id])
+             for b, _, info in found}  # fmt: skip
     return build(session_id, listed, calls)
+
+
+def _answer(r: RolloutResult, info: BatchInfo) -> RolloutResult:
+    """What the call ``info`` got: a harness-driven episode's turn (each call of the session
+    one turn of it: ``store.harness_turns``), or the rollout's whole result."""
+    return turn_result(r, info.turn, info.batch_id) if is_harness(r) else r

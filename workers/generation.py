@@ -27,9 +27,11 @@ from statemachine import (
     Status,
     commands,
     episode_commands,
+    harness_commands,
 )
 from statemachine.arrays import clamp_logprobs
 from statemachine.commands import NewTokens
+from statemachine.status import EPISODE_FINISH
 from store import EventStore
 from store.logs import log_event
 from workers import turns
@@ -305,6 +307,15 @@ class Generation:
         episode = state.request.episode
         if reason is FinishReason.LENGTH:
             reason = turns.length_reason(state, 0 if rest is None else len(rest.token_ids))
+        if state.harness and reason not in EPISODE_FINISH:
+            # A harness-driven episode's turn ends wherever its generation does: the harness
+            # decides what follows, from the answer its call gets.
+            return await self._record_turn_end(
+                attempt, state, harness_commands.end_turn(
+                    state, reason, stop_reason, now=time.time(),
+                    tokens=None if rest is None else self._new_tokens(rest)),
+                turns.turn_tokens(state) + (0 if rest is None else len(rest.token_ids)),
+            )  # fmt: skip
         call = None
         tokenizer = self._parser_tokenizer(state)
         if episode is not None and turns.stopped_at_call(episode, reason, stop_reason, tokenizer):
@@ -322,7 +333,14 @@ class Generation:
         events = episode_commands.request_call(
             state, name=name, arguments=arguments, tokens=tokens, now=time.time()
         )
-        attempt.free_engine()  # as a finish frees it: the turn is over for the engine
+        return await self._record_turn_end(attempt, state, events, len(turn))
+
+    async def _record_turn_end(
+        self, attempt: Attempt, state: RolloutState, events: list[Any], tokens: int
+    ) -> RunResult:
+        """Append the end of an episode's turn (its last tokens and its call), which frees
+        the engine as a finish does: the turn is over for it."""
+        attempt.free_engine()
         done = await self.checkpointer.append(state, events)
         self.stats.tool_calls += 1
         if done.terminal:  # a budget left the call no use: the episode ended with it
@@ -331,7 +349,7 @@ class Generation:
         log_event(
             log, logging.INFO, "tool_call",
             f"rollout {done.rollout_id} attempt {done.attempt}: turn {made.turn + 1} ended at "
-            f"tool call {made.call_id} ({made.name}) after {len(turn)} tokens; "
+            f"tool call {made.call_id} ({made.name}) after {tokens} tokens; "
             f"{done.status.value}",
             rollout_id=done.rollout_id, attempt=done.attempt, worker=self.worker_id,
             call_id=made.call_id, tool=made.name, tokens=done.num_tokens,

@@ -290,8 +290,8 @@ class RolloutRunner:
             # The budget was used up before an abort, or a capped rollout filled the context:
             # finish without asking the engine.
             reason = turns.length_reason(state, 0)
-            done = await self.generation.finish(attempt, state, None, reason, None)
-            return RunResult(Outcome.FINISHED, done)
+            # (A harness-driven episode's turn ends there: its next call may bring more.)
+            return await self.generation.end_turn(attempt, state, None, reason, None)
         if wall_left is None:
             return await self.generation.generate(state, attempt)
         # The turn is cut at the wall-time deadline: its tokens so far are kept and the

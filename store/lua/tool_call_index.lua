@@ -26,11 +26,18 @@
 --           a queue nobody serves keeps no more than that (a runner that comes finds some
 --           rung for calls already claimed, looks, finds nothing, and waits again)
 -- ARGV[1]   the lease TTL of a claim that lands here, ms
--- then per event i, with a = 1 + 5i:
+-- ARGV[2]   how long a harness turn's completion stream is kept, s (0: no expiry)
+-- then per event i, with a = 2 + 6i:
 -- ARGV[a+1] its rollout id        ARGV[a+2] its seq
 -- ARGV[a+3] the snapshot head it wrote (lua/append.lua's ARGV)
 -- ARGV[a+4] the live claim after it, as claim_fence spells it ("0": none)
 -- ARGV[a+5] its wall-time deadline, unix ms ("": the episode has none)
+-- ARGV[a+6] "" for an environment's episode; for a harness-driven one (its harness's calls
+--           feed its turns: store/harness_turns.py) "h" when the turn under way is the
+--           first, "ht" for a later one. KEYS[k+1] (and KEYS[k+2]) are then that turn's
+--           call's completion stream, not a queue: a turn's end adds the entry its call
+--           waits on, and so does an end of the episode within a later turn (the first
+--           turn's call's stream is the episode batch's, which lua/append.lua writes then).
 --
 -- Returns one integer per event: 1 if its indexes were set, 0 if the event did not land.
 --
@@ -45,20 +52,31 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local leases, generation, deadlines = KEYS[1], KEYS[2], KEYS[3]
 local BELL_MAX = 64
 local out = {}
-for i = 0, (#ARGV - 1) / 5 - 1 do
+local stream_ttl = tonumber(ARGV[2])
+for i = 0, (#ARGV - 2) / 6 - 1 do
   local snapkey, queue, bell = KEYS[4 + 3 * i], KEYS[5 + 3 * i], KEYS[6 + 3 * i]
-  local a = 1 + 5 * i
+  local a = 2 + 6 * i
+  local mode = ARGV[a + 6]
   local rid, claim = ARGV[a + 1], ARGV[a + 4]
   local snap = redis.call('HMGET', snapkey, 'seq', 'head', 'st', 'tc')
   if snap[1] ~= ARGV[a + 2] or snap[2] ~= ARGV[a + 3] then
     out[i + 1] = 0
   else
     local st = snap[3]
-    if st == 'awaiting_tool' then
+    if st == 'awaiting_tool' and mode ~= '' then
+      -- A harness turn ended: its call's answer is ready (a repeated append adds a second
+      -- entry, which a waiter never needs: it stops at the first).
+      redis.call('XADD', queue, '*', 'r', rid, 's', st)
+      if mode == 'ht' and stream_ttl > 0 then
+        redis.call('EXPIRE', queue, stream_ttl)
+      end
+    elseif st == 'awaiting_tool' then
       if redis.call('ZADD', queue, 'NX', now, rid) == 1 then
         redis.call('LPUSH', bell, 1)
         redis.call('LTRIM', bell, 0, BELL_MAX - 1)
       end
+    end
+    if st == 'awaiting_tool' then
       if ARGV[a + 5] ~= '' then
         redis.call('ZADD', deadlines, ARGV[a + 5], rid)
       end
@@ -75,7 +93,14 @@ for i = 0, (#ARGV - 1) / 5 - 1 do
         redis.call('ZADD', leases, string.format('%.0f', now + tonumber(ARGV[1])), rid)
       end
     else
-      redis.call('ZREM', queue, rid)
+      if mode == '' then
+        redis.call('ZREM', queue, rid)
+      elseif mode == 'ht' and (st == 'done' or st == 'failed' or st == 'cancelled') then
+        redis.call('XADD', queue, '*', 'r', rid, 's', st)
+        if stream_ttl > 0 then
+          redis.call('EXPIRE', queue, stream_ttl)
+        end
+      end
       redis.call('ZREM', deadlines, rid)
       redis.call('ZREM', leases, rid)
       redis.call('HDEL', snapkey, 'tc')

@@ -102,7 +102,7 @@ def event_for(state: RolloutState | None, event_type: type) -> object:
         "ToolCallLost": lambda s: f.call_lost(s),
         "TurnRequested": lambda s: (
             f.turn_requested(s) if s.pending_call else f.turn_requested(s, call_id="turn-1")
-        ),  # fmt: skip
+        ),
     }[event_type.__name__](state)
 
 

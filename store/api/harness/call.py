@@ -35,7 +35,9 @@ from typing import Any
 from statemachine import RolloutRequest, Status
 from store import defaults
 from store.client import RolloutClient
+from store.harness_turns import HarnessTurns
 from store.results import RolloutResult
+from store.turn_results import turn_result
 
 from .served import ServedModel
 
@@ -114,6 +116,7 @@ class Calls:
         self.on_disconnect = on_disconnect
         self.timeout_s = timeout_s
         self.served = served or ServedModel()  # the model name and context harnesses read
+        self.turns = HarnessTurns(client)  # a session's calls as turns of its episodes
         self.waiting = 0
 
     @contextlib.asynccontextmanager
@@ -139,6 +142,8 @@ class Calls:
         async with self.slot():
             meta = {**call.request.metadata, **session_metadata(call)}
             request = replace(call.request, metadata=meta)
+            if call.session is not None and call.n == 1:
+                return [await self._turn(call, request, gone)]
             batch = await self.client.submit(
                 [request], n=call.n, batch_id=call.batch_id(), session=call.session
             )
@@ -161,6 +166,34 @@ class Calls:
             if r.status is not Status.DONE:
                 raise CallFailed(r)
         return results
+
+    async def _turn(
+        self, call: Call, request: RolloutRequest, gone: Callable[[], bool] | None
+    ) -> RolloutResult:
+        """A session's call as a turn of its episode (``store.harness_turns``): recorded (or
+        found, for a retry), waited for, and answered with the turn alone."""
+        assert call.session is not None
+        turn = await self.turns.begin(call.session, call.batch_id(), request)
+        waiting = asyncio.ensure_future(self.turns.wait(turn, self.timeout_s))
+        try:
+            if gone is not None:
+                await _until_done_or_gone(waiting, gone)
+                if not waiting.done():
+                    waiting.cancel()
+                    if self.on_disconnect == "cancel":
+                        # The episode is the session's: its earlier turns go with it, as the
+                        # operator asked (``--on-disconnect cancel``).
+                        await self.client.cancel([turn.rollout_id], reason="caller disconnected")
+                    raise CallerGone(f"the caller of {turn.batch_id} disconnected")
+            state = await waiting
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+        full = RolloutResult.from_state(state)
+        result = turn_result(full, turn.turn, turn.batch_id, self.client.tokenizer)
+        if result.status is not Status.DONE:
+            raise CallFailed(result)
+        return result
 
 
 async def _until_done_or_gone(task: asyncio.Future[Any], gone: Callable[[], bool]) -> None:

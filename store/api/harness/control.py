@@ -144,6 +144,8 @@ class Handlers:
         except ValidationError as exc:
             raise from_validation(exc) from None
         released = await sessions.release(self.client.redis, self.client.keys, query.session_id)
+        # Its episode ends once its last turn has (``session_end``): nothing more will come.
+        await self.calls.turns.finish(query.session_id)
         return _json({"session_id": query.session_id, "released": released})
 
     async def resume(self, request: web.Request) -> web.Response:

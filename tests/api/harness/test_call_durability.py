@@ -299,8 +299,10 @@ async def test_a_disconnected_callers_rollout_is_kept_or_cancelled(
             other = await _call_once_placed(api, session="s-next")
             assert other.choices[0].token_ids
             assert (await client.store.load(rid)).status is not Status.DONE
-            [r] = await client.wait([rid], timeout=120)
-            assert r.status is Status.DONE and len(r.response_token_ids) == 1000
+            # The session's call is its episode's first turn (store/harness_turns.py): kept,
+            # it runs to its end, and the episode then waits for the session's next call.
+            await until(lambda: _status_is(client, rid, Status.AWAITING_TOOL), timeout=120)
+            assert (await client.store.load(rid)).num_tokens == 1000
     finally:
         stop(w)
         api.stop()

@@ -30,9 +30,15 @@ REQUEST = RolloutRequest(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max
 # The counts this code reaches (docs/harness-endpoints.md lists each round trip): the batch
 # created (with the newest weight version read), its chunk recorded and enqueued, one blocking
 # read of its completion stream, its result loaded. A session's call adds its index entry
-# (which also reads the session's worker: affinity costs no round trip). 8 and 9 before.
+# (which also reads the session's worker: affinity costs no round trip), and one look at the
+# session (its calls, its turn index, whether the call is a retry): its calls are the turns of
+# an episode (store/harness_turns.py). 8 and 9 before the round-trip cuts; 5 for a session's
+# call before episodes. A later turn: the look, the episode loaded (the call's prompt is
+# checked against its context), the index entry and the turn index entry (one transaction),
+# the turn's record with its job, the stream, the load.
 ROUND_TRIPS = 4
-SESSION_ROUND_TRIPS = 5
+SESSION_ROUND_TRIPS = 6
+TURN_ROUND_TRIPS = 6
 
 
 def command_names(packed: bytes) -> list[str]:
@@ -126,8 +132,26 @@ async def test_a_session_call_costs_no_more(
     call = Call("completions", REQUEST, session="ep", body=b"x")
     trips = await one_call(client, call, monkeypatch)
     assert len(trips.sent) == SESSION_ROUND_TRIPS, trips.sent
-    assert trips.sent[0][0] == "MULTI" and trips.sent[1:4] == [["EVALSHA"], ["EVALSHA"], ["XREAD"]]
+    assert trips.sent[0] == ["HGETALL", "EXISTS", "ZRANGE"], trips.sent
+    assert trips.sent[1][0] == "MULTI" and trips.sent[2:5] == [["EVALSHA"], ["EVALSHA"], ["XREAD"]]
     assert [s.batch_id for s in await client.session("ep")] == [call.batch_id()]
+
+
+async def test_a_sessions_next_turn_costs_as_many_and_records_only_its_new_tokens(
+    client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    [first] = await Calls(client).run(Call("completions", REQUEST, session="ep2", body=b"1"))
+    prompt = (*REQUEST.prompt_token_ids, *first.response_token_ids.tolist(), 9, 9)
+    request = RolloutRequest(prompt_token_ids=prompt, sampling=REQUEST.sampling)
+    call = Call("completions", request, session="ep2", body=b"2")
+    trips = await one_call(client, call, monkeypatch)
+    assert len(trips.sent) == TURN_ROUND_TRIPS, trips.sent
+    assert trips.sent[0] == ["HGETALL", "EXISTS", "ZRANGE"], trips.sent
+    # One rollout, whose second turn recorded the two tokens the call's prompt added.
+    episode = await client.store.load(first.rollout_id)
+    assert len(episode.calls) == 2 and episode.calls[0].result is not None
+    assert episode.calls[0].result.observation_token_ids.tolist() == [9, 9]
+    assert [s.batch_id for s in await client.session("ep2")][1] == call.batch_id()
 
 
 async def test_a_retry_attaches_in_as_few(

@@ -25,7 +25,7 @@ import pytest
 from openai import AsyncOpenAI, UnprocessableEntityError
 from transformers import AutoTokenizer
 
-from statemachine import Aborted, AbortReason
+from statemachine import Aborted, AbortReason, TurnRequested
 from store.client import RolloutClient
 from store.redis_server import RedisServer
 from tests.api.harness.durability import ApiProcess, session_rollouts, until_tokens
@@ -161,6 +161,13 @@ async def test_three_turns_with_tools_are_one_trajectory(
     finally:
         stop(w)
     check_trajectory(await client.trajectory("episode-1"), answers, script, tok)
+    # One episode whose log holds the first prompt once and, per later call, only the tokens
+    # its prompt added (store/harness_turns.py), not every call's whole conversation.
+    [rid] = set(await session_rollouts(client, "episode-1", calls=3))
+    events = await client.store.events(rid)
+    assert events[0].request.prompt_token_ids == tuple(answers[0].prompt_token_ids)  # type: ignore[attr-defined]
+    fed = [e.observation_token_ids.tolist() for e in events if isinstance(e, TurnRequested)]
+    assert [tok.decode(ids) for ids in fed] == [OBSERVATION, OBSERVATION]
     assert plain.choices[0].finish_reason == "stop"
     assert plain.choices[0].message.content == CALL and not plain.choices[0].message.tool_calls
     # Over HTTP, as the document says.
@@ -190,7 +197,9 @@ async def test_worker_sigkilled_mid_turn_changes_nothing_the_client_sees(
                                       "content": "3"}]  # fmt: skip
         task = asyncio.create_task(turn(c, messages, script, "episode-k"))
         rid = (await session_rollouts(client, "episode-k", calls=2))[-1]
-        await until_tokens(client, rid, 16)
+        # The calls are the turns of one episode: the second turn is under way once the
+        # episode has more tokens than the first turn sampled.
+        await until_tokens(client, rid, len(script) + len(script) // 2)
         a.kill()
         a.wait(10)
         b = start_worker(api.url, SYNTHETIC, "b", tmp_path / "b.log", *FAST,
