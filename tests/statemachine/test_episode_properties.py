@@ -31,6 +31,7 @@ from statemachine import (
     fold,
 )
 from statemachine import episode_commands as ec
+from statemachine import harness_commands as hc
 from statemachine.commands import NewTokens
 from statemachine.episode_events import TOOL_EVENTS
 from tests import factories as f
@@ -102,11 +103,13 @@ def _runner_view(draw: st.DrawFn, s: RolloutState) -> dict[str, Any]:
 
 
 @st.composite
-def command(draw: st.DrawFn, s: RolloutState) -> list[Event]:
-    """The events of one drawn command aimed at ``s``; raises a ``TransitionError`` (or
-    ``InvalidEvent``) when the command is illegal there, as the real caller would see."""
+def command(draw: st.DrawFn, s: RolloutState, op: str | None = None) -> list[Event]:
+    """The events of one drawn command aimed at ``s`` (``op``, else one drawn); raises a
+    ``TransitionError`` (or ``InvalidEvent``) when the command is illegal there, as the real
+    caller would see."""
     plausible = draw(st.integers(0, 9)) > 0
-    op = draw(st.sampled_from(PLAUSIBLE[s.status] if plausible else OPS))
+    if op is None:
+        op = draw(st.sampled_from(PLAUSIBLE[s.status] if plausible else OPS))
     now = draw(st.sampled_from([None, None, None, None, None, 5.0, 15.0]))  # wall: 10 s
     maybe = (lambda: _tokens(draw, s)) if draw(st.booleans()) else (lambda: None)
     if op == "begin":
@@ -174,7 +177,10 @@ def check_invariants(s: RolloutState) -> None:
         assert [c.claim for c in call.claims] == list(range(1, len(call.claims) + 1))
         assert all(c.end is not None for c in call.claims[:-1])
         assert i == len(s.calls) - 1 or (call.result is not None and call.live_claim == 0)
-    assert s.num_tokens <= s.request.sampling.max_tokens
+    if s.harness:  # its max_tokens is each turn's, as each call asked
+        assert s.turn_sampled <= s.turn_sampling.max_tokens
+    else:
+        assert s.num_tokens <= s.request.sampling.max_tokens
     # The loss mask is aligned with the context and counts each sampled token once.
     ids, mask = s.context_token_ids, s.loss_mask
     versions, lps = s.context_weight_versions, s.context_logprobs
@@ -199,6 +205,71 @@ def check_invariants(s: RolloutState) -> None:
 def test_any_command_sequence_keeps_a_legal_state_the_log_rebuilds(
     sub: Submitted, data: st.DataObject
 ) -> None:
+    run_history(sub, data, command)
+
+
+HARNESS_OPS = ["begin", "tokens", "turn_end", "feed", "abort", "budget", "session_end",
+               "cancel", "fail_rollout", "claim", "finish"]  # fmt: skip
+HARNESS_PLAUSIBLE = {
+    Status.PENDING: ["begin"],
+    Status.GENERATING: ["tokens", "tokens", "turn_end", "turn_end", "abort"],
+    Status.RESUMED: ["tokens", "tokens", "turn_end", "turn_end", "abort"],
+    Status.ABORTED: ["begin"],
+    Status.AWAITING_TOOL: ["feed", "feed", "feed", "session_end", "budget"],
+    Status.NEXT_TURN: ["begin", "begin", "begin", "budget"],
+}
+
+
+@st.composite
+def harness_submission(draw: st.DrawFn) -> Submitted:
+    spec = EpisodeSpec(
+        harness=True,
+        max_turns=draw(st.none() | st.integers(2, 6)),
+        max_total_tokens=draw(st.none() | st.integers(4, 80)),
+        max_wall_seconds=draw(st.none() | st.just(10.0)),
+    )
+    request = RolloutRequest(
+        prompt_token_ids=(1, 2), episode=spec,
+        sampling=SamplingParams(max_tokens=draw(st.integers(1, 12))),
+    )  # fmt: skip
+    return Submitted(rollout_id="r", seq=1, at=0.0, request=request)
+
+
+@st.composite
+def harness_command(draw: st.DrawFn, s: RolloutState) -> list[Event]:
+    """A harness-driven episode's commands (its harness's calls feed its turns), any of the
+    others drawn now and then, which must be refused or legal as well."""
+    plausible = draw(st.integers(0, 9)) > 0
+    op = draw(st.sampled_from(HARNESS_PLAUSIBLE[s.status] if plausible else HARNESS_OPS))
+    now = draw(st.sampled_from([None, None, None, 5.0, 15.0]))
+    if op == "turn_end":
+        tokens = _tokens(draw, s, most=3) if draw(st.booleans()) else None
+        reason = draw(st.sampled_from([FinishReason.STOP, FinishReason.LENGTH]))
+        return hc.end_turn(s, reason, 7 if reason is FinishReason.STOP else None,
+                           tokens=tokens, now=now)  # fmt: skip
+    if op == "feed":
+        # Usually the episode's top-k; now and then another (refused: TopLogprobsMismatch).
+        k = draw(st.sampled_from([0, 0, 0, 0, 1]))
+        sampling = SamplingParams(max_tokens=draw(st.integers(1, 12)), logprobs=k)
+        obs = np.arange(draw(st.integers(0, 4)), dtype=np.int32) + 900
+        return [hc.request_turn(s, call_batch=f"call-{len(s.calls)}",
+                                observation_token_ids=obs, sampling=sampling)]  # fmt: skip
+    if op == "session_end":
+        return hc.end_session(s)
+    return draw(command(s, op))
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(harness_submission(), st.data())
+def test_any_harness_driven_sequence_keeps_a_legal_state_the_log_rebuilds(
+    sub: Submitted, data: st.DataObject
+) -> None:
+    run_history(sub, data, harness_command)
+
+
+def run_history(sub: Submitted, data: st.DataObject, draw_command: Any) -> None:
+    """Apply drawn commands to ``sub``'s rollout, refused ones changing nothing; check the
+    invariants after each, and fold, codec and snapshot at the end."""
     state = apply(None, sub)
     accepted: list[Event] = [sub]
     budget = sub.request.episode.max_total_tokens  # type: ignore[union-attr]
@@ -206,7 +277,7 @@ def test_any_command_sequence_keeps_a_legal_state_the_log_rebuilds(
         if state.terminal:
             break
         try:
-            chain = data.draw(command(state))
+            chain = data.draw(draw_command(state))
             after = state
             for e in chain:
                 after = apply(after, e)
