@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from statemachine import RolloutRequest, SamplingParams
+from statemachine import EpisodeSpec, FinishReason, RolloutRequest, SamplingParams
+from statemachine import harness_commands as hc
+from statemachine.commands import NewTokens
 from store.client import RolloutClient
 from store.redis_server import RedisServer
+from tests import factories as f
 from tests.ops.test_ops_cli import cli
 from tests.store.episode_play import Play, episode_request
 from tests.store.trainer import finish
@@ -114,3 +118,35 @@ async def test_show_of_a_plain_rollout_has_no_episode_part(
     assert all(set(e) <= {"kind", "seq", "at", "until", "attempt", "worker_id", "weight_version",
                           "tokens", "checkpoints", "by_version", "reason", "detail"}
                for e in shown["entries"])  # fmt: skip
+
+
+async def test_show_draws_a_harness_driven_episodes_turns_and_what_each_call_fed(
+    server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = RolloutClient(server.url)
+    try:
+        request = RolloutRequest(prompt_token_ids=(1, 2), episode=EpisodeSpec(harness=True),
+                                 sampling=SamplingParams(max_tokens=4))  # fmt: skip
+        await client.submit([request], batch_id="h")
+        s = await client.store.load("h.0.0")
+        s = await client.store.append(s, f.started(s))
+        s = await client.store.append_chain(s, hc.end_turn(s, FinishReason.STOP, 7,
+                                                            tokens=_new(3)))  # fmt: skip
+        fed = hc.request_turn(s, call_batch="call-2", observation_token_ids=np.array([9, 9]),
+                              sampling=SamplingParams(max_tokens=4))  # fmt: skip
+        s = await client.store.append(s, fed)
+        s = await client.store.append(s, f.resumed(s))
+        await client.store.append_chain(s, hc.end_turn(s, FinishReason.LENGTH, None,
+                                                       tokens=_new(4)))  # fmt: skip
+    finally:
+        await client.aclose()
+    code, out, err = await cli(capsys, "show", "h.0.0", "--redis", server.url)
+    assert code == 0, err
+    assert "    turn ended: stop (stop 7); the next call fed 2 tokens at [3, 5)" in out, out
+    assert "    turn ended: length; no next call yet" in out, out
+
+
+def _new(n: int) -> NewTokens:
+    return NewTokens(token_ids=np.arange(10, 10 + n, dtype=np.int32),
+                     logprobs=np.zeros(n, dtype=np.float32),
+                     weight_versions=np.zeros(n, dtype=np.int64))  # fmt: skip

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from statemachine import RolloutState, Status
+from statemachine import HARNESS_CALL, RolloutState, Status, harness_commands
 from store.episode_results import EpisodeCall, EpisodeClaim
 from store.results import RolloutResult
 from store.timeline import Entry
@@ -77,6 +77,14 @@ def episode_json(state: RolloutState) -> dict[str, Any]:
 
 
 def _call_lines(c: EpisodeCall) -> list[str]:
+    if c.name == HARNESS_CALL:
+        # A harness-driven episode: the turn's end, then what its harness's next call fed.
+        reason, stop = harness_commands.finish_of(c.arguments)
+        ended = f"    turn ended: {reason.value}" + ("" if stop is None else f" (stop {stop})")
+        if c.outcome.value != "result":
+            return [f"{ended}; no next call yet" if c.outcome.value == "pending" else ended]
+        end = c.offset + c.observation_tokens
+        return [f"{ended}; the next call fed {c.observation_tokens} tokens at [{c.offset}, {end})"]
     over = f" over {len(c.claims)} claims" if len(c.claims) > 1 else ""
     if c.observation_tokens or c.outcome.value == "result":
         end = c.offset + c.observation_tokens
