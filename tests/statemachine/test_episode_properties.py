@@ -222,7 +222,7 @@ def test_any_command_sequence_keeps_a_legal_state_the_log_rebuilds(
     why = state.finish_reason or state.failure
     event(f"ends {state.status.value} ({why}), {len(state.calls)} calls")
     assert fold(accepted) == state
-    decoded = [codec.decode(codec.encode(e)) for e in accepted]
+    decoded = [codec.decode(codec.encode(e), rollout_id=e.rollout_id, seq=e.seq) for e in accepted]
     assert decoded == accepted
     first = decoded[0]
     assert isinstance(first, Submitted)
