@@ -5,59 +5,23 @@ retries, a zombie runner refused, and lost runners decided by each tool's declar
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
-import fakeredis
 import numpy as np
 import pytest
-import redis
-import redis.asyncio as aredis
 
 from statemachine import RolloutState
 from statemachine.episode import ToolEffect
 from statemachine.episode_events import ToolCallLost
 from statemachine.status import FailureClass, FinishReason, Status, ToolFailure
-from store import EventStore
 from store.environment import EnvironmentClient
 from store.errors import ClaimLost
 from store.queue import rollout_queue
-from store.redis_server import RedisServer
 from store.tool_sweep import sweep_lost_calls
 from tests import factories as f
-
-
-@pytest.fixture(params=["fakeredis", "redis-server"])
-async def env(request: pytest.FixtureRequest) -> AsyncIterator[EnvironmentClient]:
-    if request.param == "fakeredis":
-        server = fakeredis.FakeServer()
-        client: Any = fakeredis.FakeAsyncRedis(server=server)
-        sync: Any = fakeredis.FakeRedis(server=server)
-    else:
-        real: RedisServer = request.getfixturevalue("redis_server")
-        client = aredis.Redis.from_url(real.url)
-        sync = redis.Redis.from_url(real.url)
-        await client.flushall()
-    yield EnvironmentClient(EventStore(client), sync, retries=1)
-    await client.aclose()
-    sync.close()
-
-
-async def _waiting(env: EnvironmentClient, rid: str = "ep", tool: str = "calc", **kw: Any) -> None:
-    """An episode whose first turn ended at a call of ``tool``."""
-    store = env.store
-    s = await store.append(None, f.episode_submitted(rid, **kw))
-    s = await store.append(s, f.started(s))
-    s = await store.append(s, f.tokens(s, n=3))
-    await store.append(s, f.requested(s, tool))
-
-
-async def _queued(env: EnvironmentClient, queue: str = "default") -> list[bytes]:
-    return list(await env.store.redis.zrange(env.store.keys.env_queue(queue), 0, -1))
-
-
-async def _leased(env: EnvironmentClient) -> list[bytes]:
-    return list(await env.store.redis.zrange(env.store.keys.tool_leases(), 0, -1))
+from tests.store.conftest import leased as _leased
+from tests.store.conftest import queued as _queued
+from tests.store.conftest import waiting as _waiting
 
 
 async def test_a_requested_call_is_claimed_once_leased_and_off_its_queue(
