@@ -31,6 +31,7 @@ from store import AppendRefused, EventStore, defaults
 from store.coalesce import Coalescer
 from store.leases import Leases
 from store.logs import log_event
+from store.since import Held, load_held
 from workers import turns
 from workers.checkpoint import Cadence, Checkpointer
 from workers.engines.base import Engine
@@ -70,8 +71,10 @@ class RolloutRunner:
         max_worker_lost: int = defaults.MAX_WORKER_LOST,
         stepped: bool | None = None,
         prefetch_tokens: int = 0,
+        keep_turns: int = 0,
     ) -> None:
-        """``prefetch_tokens``: when a rollout has that many tokens left, its place's
+        """``keep_turns``: episodes to hold between their turns (``store.since``; 0: none).
+        ``prefetch_tokens``: when a rollout has that many tokens left, its place's
         ``nearly_free`` is called (0: never). ``stepped``: stream through the engine's steps
         (``workers.stepper``) rather than one ``generate`` stream per rollout; None: whenever
         the engine offers them (``generation.offers_steps``), the default; False: the
@@ -91,6 +94,14 @@ class RolloutRunner:
         # A rollout's first load, its lease and the lease's drop: each is one round trip of
         # its own per rollout, and many rollouts start and end together (store.coalesce).
         self._load = Coalescer(store.load_many)
+        # Episodes whose turn ended here at a tool call, as that turn's last append left them
+        # (oldest first, at most ``keep_turns``): their next turn here reads only the log's
+        # entries since (``store.since``).
+        self._held: dict[str, Held] = {}
+        self.keep_turns = keep_turns
+        self._load_held: Coalescer[Held, RolloutState] = Coalescer(
+            lambda held: load_held(store, held)
+        )
         if leases is not None:
             self._take: Coalescer[str, None] = Coalescer(
                 lambda ids: leases.take_many(ids, self.lease_ttl_s)
@@ -172,6 +183,8 @@ class RolloutRunner:
         self._idle.clear()
         try:
             result = await self._run(rollout_id, queue, attempt)
+            if result.outcome is Outcome.TOOL_CALL and result.state.status in AT_TOOL:
+                self._hold(result)
             if (
                 self.leases is not None
                 and result.outcome is Outcome.TOOL_CALL
@@ -201,6 +214,22 @@ class RolloutRunner:
             if not self._attempts:
                 self._idle.set()
 
+    def _hold(self, result: RunResult) -> None:
+        if not self.keep_turns or result.record is None:
+            return
+        rid = result.state.rollout_id
+        self._held.pop(rid, None)
+        self._held[rid] = Held(result.state, result.record)
+        while len(self._held) > self.keep_turns:
+            # The oldest: its next turn went to another worker, or its tool is slow.
+            del self._held[next(iter(self._held))]
+
+    async def _load_turn(self, rollout_id: str) -> RolloutState:
+        held = self._held.pop(rollout_id, None)
+        if held is None:
+            return await self._load(rollout_id)
+        return await self._load_held(held)
+
     def _not_to_run(self, state: RolloutState, queue: str | None) -> RunResult | None:
         """Why this job is not to be run here, judged before anything is written."""
         if state.terminal:
@@ -222,7 +251,7 @@ class RolloutRunner:
         return None
 
     async def _run(self, rollout_id: str, queue: str | None, attempt: Attempt) -> RunResult:
-        state = await self._load(rollout_id)
+        state = await self._load_turn(rollout_id)
         refused = self._not_to_run(state, queue)
         if refused is not None:
             return refused
