@@ -31,6 +31,7 @@ from store import AppendRefused, EventStore, defaults
 from store.coalesce import Coalescer
 from store.leases import Leases
 from store.logs import log_event
+from store.scripts import Step
 from store.since import Held, load_held
 from workers import turns
 from workers.checkpoint import Cadence, Checkpointer
@@ -257,16 +258,21 @@ class RolloutRunner:
             return refused
         if state.too_stale(self.engine.weight_version):
             return await self._cancel_stale(state)
-        if self.leases is not None:
-            if state.status in LIVE:
-                # Judged by Redis's clock, as the reaper judges it: never this host's.
-                left = await self.leases.left_ms(rollout_id)
-                if left is not None and left > 0:
-                    # A live worker is generating it (rq delivered the job twice): leave it be.
-                    return RunResult(Outcome.DUPLICATE, state)
-            # Lease first, attempt second: a crash in between leaves a lease the reaper turns
-            # into a re-enqueue, never a live attempt nobody watches.
+        lease: list[Step] = []  # the lease, when it goes with the attempt's opening
+        if self.leases is not None and state.status in LIVE:
+            # Judged by Redis's clock, as the reaper judges it: never this host's.
+            left = await self.leases.left_ms(rollout_id)
+            if left is not None and left > 0:
+                # A live worker is generating it (rq delivered the job twice): leave it be.
+                return RunResult(Outcome.DUPLICATE, state)
+            # A takeover: lease first, attempt second (its worker-lost budget may end the
+            # rollout instead). A crash in between leaves a lease the reaper turns into a
+            # re-enqueue, never a live attempt nobody watches.
             await self.condition.until_written(lambda: self._take(rollout_id), "lease")
+        elif self.leases is not None:
+            # Taken in the transaction that opens the attempt: never one without the other,
+            # and one round trip less per attempt (an episode's every turn: bench_episodes).
+            lease = self.leases.take_steps([rollout_id], self.lease_ttl_s)
         try:
             if state.status in LIVE:
                 spent = await self._worker_lost_budget_spent(state)
@@ -281,7 +287,7 @@ class RolloutRunner:
                     self.stats.end(done.status)
                     return RunResult(Outcome.FINISHED, done)
             try:
-                state = await self._begin(state)
+                state = await self._begin(state, lease)
             except ModelMismatch:
                 # Another attempt began on a different model since we loaded it; the lease
                 # is that attempt's now (its heartbeats renew it), so it is not ours to drop.
@@ -341,7 +347,7 @@ class RolloutRunner:
         )  # fmt: skip
         return RunResult(Outcome.FINISHED, done)
 
-    async def _begin(self, state: RolloutState) -> RolloutState:
+    async def _begin(self, state: RolloutState, lease: list[Step]) -> RolloutState:
         events = commands.begin(
             state,
             worker_id=self.worker_id,
@@ -349,7 +355,7 @@ class RolloutRunner:
             weight_mode=self.weight_mode,
             model=self.model_id,
         )
-        began = await self.checkpointer.append(state, events)
+        began = await self.checkpointer.append(state, events, before=lease)
         self._log_begin(state, began)
         return began
 
