@@ -8,7 +8,10 @@ turns and ``turns - 1`` tools. One synthetic engine, paced at ``--token-ms`` per
 ends at the tool-call token within ``vocab`` tokens (``vocab / 2`` on average).
 
 (a) direct:  the same turns driven directly on the engine: each turn's prompt the whole context
-    so far, the tool run in-process, nothing recorded;
+    so far, the tool run in-process, nothing recorded; each turn a ``generate`` stream of its
+    own (the default), or with ``--direct steps`` the engine's whole steps, as the worker
+    drives it (its requests then share one step clock: every token comes at the step cadence,
+    where 16 streams of their own, each on its own timer, came ~6% slower on this machine);
 (b) durable: through the system: a real ``Worker`` (rq jobs, leases, group-commit checkpoints,
     the turn's end and ``ToolCallRequested`` in one chain, AOF ``appendfsync always``) and
     ``--runners`` environment loops on ``EnvironmentClient`` (claim, result; the result
@@ -124,6 +127,46 @@ async def direct(engine: SyntheticEngine, args: argparse.Namespace) -> tuple[flo
     return time.perf_counter() - t0, list(out)
 
 
+async def direct_steps(engine: SyntheticEngine, args: argparse.Namespace) -> tuple[float, list]:
+    """``direct`` through the engine's whole steps (``add``/``steps``), as the worker consumes
+    them: a turn that ends at a step has its tool run and its next turn added before the
+    next step, whose first token it gets."""
+    starts = prompts(args.episodes, args.vocab)
+    contexts: list[list[int]] = [[] for _ in starts]
+    sampled, turns = [0] * len(starts), [0] * len(starts)
+    running: dict[str, tuple[int, list[int]]] = {}
+
+    async def start(i: int) -> None:
+        request = EngineRequest(
+            request_id=f"steps-{time.monotonic_ns()}-{i}-{turns[i]}",
+            prompt_token_ids=starts[i] + tuple(contexts[i]),
+            sampling=SamplingParams(
+                max_tokens=args.max_tokens - sampled[i], stop_token_ids=(STOP,), temperature=0.0
+            ),
+        )
+        running[request.request_id] = (i, [])
+        await engine.add(request)
+
+    t0 = time.perf_counter()
+    for i in range(len(starts)):
+        await start(i)
+    async for step in engine.steps():
+        counts = [1] * len(step.request_ids) if step.counts is None else step.counts.tolist()
+        ids, at = step.token_ids.tolist(), 0
+        for rid, n in zip(step.request_ids, counts, strict=True):
+            running[rid][1].extend(ids[at : at + n])
+            at += n
+        for rid in step.ends:
+            i, turn = running.pop(rid)
+            contexts[i] += turn
+            sampled[i] += len(turn)
+            turns[i] += 1
+            if turns[i] < args.turns:
+                contexts[i] += tool(turn, args.observation, args.vocab)
+                await start(i)
+    return time.perf_counter() - t0, contexts
+
+
 async def durable(
     engine: SyntheticEngine, url: str, args: argparse.Namespace, round_: int, runner_log: Path
 ) -> tuple[float, list, dict[str, Any]]:
@@ -223,7 +266,8 @@ async def _measure(url: str, args: argparse.Namespace, workdir: Path) -> dict[st
         order = ("direct", "durable") if r % 2 == 0 else ("durable", "direct")
         for side in order:
             if side == "direct":
-                seconds, reference = await direct(engine, args)
+                drive = direct_steps if args.direct == "steps" else direct
+                seconds, reference = await drive(engine, args)
                 direct_s.append(seconds)
             else:
                 log = workdir / "runner.log"
@@ -244,6 +288,7 @@ async def _measure(url: str, args: argparse.Namespace, workdir: Path) -> dict[st
             "runners": args.runners,
             "rounds": args.rounds,
             "engine": "synthetic",
+            "direct": args.direct,
         },
         "ratio": round(statistics.median(ratios), 4),
         "ratios": [round(x, 4) for x in ratios],
@@ -279,6 +324,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--runner", choices=("process", "inline"), default="process",
                     help="process: `rollouts env` in a process of its own, as deployed; inline: "
                     "--runners loops on EnvironmentClient in the bench's own process")  # fmt: skip
+    ap.add_argument("--direct", choices=("generate", "steps"), default="generate",
+                    help="generate: each direct turn a stream of its own; steps: the engine's "
+                    "whole steps, as the worker drives it")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     return ap.parse_args(argv)
 

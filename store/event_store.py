@@ -36,7 +36,7 @@ from statemachine import (
     commands,
     fence_of,
 )
-from statemachine.episode_events import TOOL_EVENTS, ToolEvent
+from statemachine.episode_events import ToolEvent
 from statemachine.errors import CorruptRecord, TransitionError
 from store import defaults, scripts
 from store.errors import (
@@ -47,20 +47,32 @@ from store.errors import (
     StaleAttempt,
 )
 from store.keys import Keys
+from store.log_reads import (
+    COMPLETION,
+    FIRST,
+    HEAD,
+    JOB,
+    STATUS,
+    decode_entries,
+    read_head,
+    submitted_event,
+    submitted_record,
+    tool_events,
+)
 from store.prepared import _Prepared
 from store.tool_index import index_call
 
-# The snapshot hash's fields (written by lua/append.lua, read only in store/): the encoded head
-# of the derived scalars, the status in plain text (for the counters and acks done in Lua),
-# and the id of the rollout's entry in its batch's completion stream once it ended. The
-# Submitted record is read from the log's first entry (``FIRST``), which never changes:
-# records written before this also kept a copy in the snapshot (field "sub", still
-# recognised by lua/ack.lua), which doubled the prompt's bytes in Redis.
-HEAD = "head"
-FIRST = "0-1"
-STATUS = "st"
-COMPLETION = "cid"
-JOB = "job"  # the rq job enqueued with the Submitted record (append.lua), deleted at ack
+__all__ = [
+    "COMPLETION",
+    "FIRST",
+    "HEAD",
+    "JOB",
+    "STATUS",
+    "EventStore",
+    "decode_entries",
+    "read_head",
+    "submitted_record",
+]
 
 
 class EventStore:
@@ -76,7 +88,7 @@ class EventStore:
         """Append ``event`` to the rollout whose current state the caller holds as ``state``
         (None for a new rollout) and return the state after it."""
         p = self.prepare(state, event)
-        (reply,) = await self._run([p])
+        (reply,), _ = await self._run([p])
         error = _refusal(reply, p.event)
         if error is not None:
             raise error
@@ -99,7 +111,7 @@ class EventStore:
             p = self.prepare(after, event, after=prepared[-1].head if prepared else None)
             prepared.append(p)
             after = p.state
-        replies = await self._run(prepared, then=then, tool_lease_s=tool_lease_s)
+        replies, _ = await self._run(prepared, then=then, tool_lease_s=tool_lease_s)
         for p, reply in zip(prepared, replies, strict=True):
             error = _refusal(reply, p.event)
             if error is not None:
@@ -107,8 +119,11 @@ class EventStore:
         return prepared[-1].state
 
     async def append_many(
-        self, chains: Sequence[tuple[RolloutState | None, Sequence[Event]]]
-    ) -> list[RolloutState | AppendRefused | TransitionError]:
+        self,
+        chains: Sequence[tuple[RolloutState | None, Sequence[Event]]],
+        *,
+        before: Sequence[Sequence[scripts.Step]] = (),
+    ) -> list[RolloutState | Exception]:
         """Append chains of events, each chain on one rollout from the state its caller holds,
         all in one round trip (a worker's checkpoint of every rollout it runs).
 
@@ -116,11 +131,18 @@ class EventStore:
         or the first refusal (an illegal event is never sent; after a refusal the rest of the
         chain is refused too: lua/append.lua accepts a chain's later event only over the head
         its predecessor wrote).
+
+        ``before``: per chain (when given, one entry each), steps that go first in the same
+        transaction if the chain is sent (a lease taken with the event that opens an attempt:
+        ``Leases.take_steps``). A step Redis refuses is its chain's result (its events may
+        have landed: the caller treats the chain as failed and its rollout as one to recover).
         """
-        results: list[RolloutState | AppendRefused | TransitionError] = []
+        results: list[RolloutState | Exception] = []
         calls: list[_Prepared] = []
         spans: list[tuple[int, int]] = []
-        for state, events in chains:
+        leading: list[scripts.Step] = []
+        owners: list[int] = []  # the chain of each step of ``leading``
+        for k, (state, events) in enumerate(chains):
             start = len(calls)
             try:
                 for event in events:
@@ -139,11 +161,17 @@ class EventStore:
                 raise ValueError("an empty chain needs a state")
             results.append(state)
             spans.append((start, len(calls)))
-        replies = await self._run(calls) if calls else []
+            if before and before[k]:
+                leading += before[k]
+                owners += [k] * len(before[k])
+        replies, first = await self._run(calls, before=leading) if calls else ([], [])
+        for k, reply in zip(owners, first, strict=True):
+            if isinstance(reply, Exception) and not isinstance(results[k], Exception):
+                results[k] = reply
         for i, (start, end) in enumerate(spans):
             for p, reply in zip(calls[start:end], replies[start:end], strict=True):
                 error = _refusal(reply, p.event)
-                if error is not None:
+                if error is not None and not isinstance(results[i], Exception):
                     results[i] = error
                     break
         return results
@@ -154,11 +182,13 @@ class EventStore:
         *,
         then: Sequence[scripts.Step] = (),
         tool_lease_s: float | None = None,
-    ) -> list[Any]:
+        before: Sequence[scripts.Step] = (),
+    ) -> tuple[list[Any], list[Any]]:
         """Every append of ``calls`` in one MULTI/EXEC (one round trip), in order; the script's
-        reply for each, with "taken" resolved into "dup" or the refusal. ``then``: steps of the
-        caller's that run last in the same transaction (a script that acts only if the appends
-        landed, as lua/turn_job.lua); ``tool_lease_s``: the lease of a tool call claimed here."""
+        reply for each, with "taken" resolved into "dup" or the refusal, and the replies of
+        ``before``, steps that run first. ``then``: steps of the caller's that run last in the
+        same transaction (a script that acts only if the appends landed, as
+        lua/turn_job.lua); ``tool_lease_s``: the lease of a tool call claimed here."""
         # A rollout's n-th event of the batch goes in the n-th script call (lua/append.lua
         # takes at most one event per rollout per call), each call preceded by its records.
         rounds: list[list[int]] = []
@@ -169,7 +199,7 @@ class EventStore:
             if n == len(rounds):
                 rounds.append([])
             rounds[n].append(i)
-        steps: list[scripts.Step] = []
+        steps: list[scripts.Step] = list(before)
         where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(calls)  # step, index, XADD step
         lease_ms = int(1000 * (tool_lease_s or defaults.TOOL_LEASE_TTL_S))
         for members in rounds:
@@ -213,7 +243,7 @@ class EventStore:
             for i, entries in zip(taken, found, strict=True):
                 same = len(entries) == 1 and entries[0][1].get(b"e") == calls[i].record
                 out[i] = [b"dup"] if same else out[i][1:]
-        return out
+        return out, replies[: len(before)]
 
     def prepare(
         self, state: RolloutState | None, event: Event, *, after: bytes | None = None
@@ -283,14 +313,12 @@ class EventStore:
     ) -> RolloutState:
         if head is None or sub is None:
             raise RolloutNotFound(rollout_id)
-        submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
-        if not isinstance(submitted, Submitted):
-            raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
+        submitted = submitted_event(rollout_id, sub)
         # The first entry is the Submitted record, decoded above. Every entry is decoded
         # anyway, so an episode's tool events come at no extra cost.
-        events = _decode_entries(rollout_id, entries[1:])
+        events = decode_entries(rollout_id, entries[1:])
         chunks = tuple(e for e in events if isinstance(e, TokensAppended))
-        tools = _tool_events(events) if submitted.request.episode is not None else []
+        tools = tool_events(events) if submitted.request.episode is not None else []
         state = codec.decode_snapshot(head, submitted, chunks, tools)
         if sum(len(c) for c in chunks) != state.num_tokens:
             raise CorruptRecord(
@@ -304,23 +332,39 @@ class EventStore:
     async def head(self, rollout_id: str) -> RolloutState:
         """The current state without its token data (``chunks`` empty): what a status check
         or a ``Cancelled`` append needs, in one small read however long the rollout."""
+        state = await self._head(rollout_id, None)
+        assert state is not None  # only a status asked for makes it None
+        return state
+
+    async def head_at(self, rollout_id: str, status: Status) -> RolloutState | None:
+        """``head`` of a rollout at ``status``, else None, judged from its snapshot's head
+        before anything more is decoded or read: a runner's look at a call another runner
+        claimed since costs one small round trip (bench_episodes: about half its looks)."""
+        return await self._head(rollout_id, status)
+
+    async def _head(self, rollout_id: str, status: Status | None) -> RolloutState | None:
         async with self.redis.pipeline(transaction=False) as pipe:
             read_head(pipe, self.keys, rollout_id)
             head, first = await pipe.execute()
         sub = submitted_record(first)
         if head is None or sub is None:
             raise RolloutNotFound(rollout_id)
-        state = self.decode_head(rollout_id, head, sub)
-        if state.request.episode is None:
-            return state  # a plain rollout: the one round trip above, as ever
+        if status is not None and codec.snapshot_status(head, rollout_id=rollout_id) != status:
+            return None
+        submitted = submitted_event(rollout_id, sub)
+        if submitted.request.episode is None:
+            return codec.decode_snapshot(head, submitted)  # a plain rollout: one round trip
         # An episode's calls are folded from its tool events, which lie among its token
         # records: a second read, for episodes only. Entries past the head's seq (appended
         # since it was read) are left out, so the calls are the head's.
-        entries = await self.redis.xrange(self.keys.log(rollout_id), "0-2", f"0-{state.seq}")
-        if len(entries) != state.seq - 1:
+        seq = codec.decode_snapshot(head, submitted).seq
+        entries = await self.redis.xrange(self.keys.log(rollout_id), "0-2", f"0-{seq}")
+        if len(entries) != seq - 1:
             raise RolloutNotFound(rollout_id)  # deleted (acknowledged, expired) in between
-        tools = _tool_events(_decode_entries(rollout_id, entries))
-        return self.decode_head(rollout_id, head, sub, tools)
+        # Its token records, most of its log, are left undecoded (``load`` checks them).
+        rest = [e for e in entries if not codec.is_tokens_record(e[1][b"e"])]
+        tools = tool_events(decode_entries(rollout_id, rest))
+        return codec.decode_snapshot(head, submitted, (), tools)
 
     @staticmethod
     def decode_head(
@@ -328,10 +372,7 @@ class EventStore:
     ) -> RolloutState:
         """The state of a snapshot's ``head`` and the ``Submitted`` record (``read_head``),
         without token data (and without an episode's calls unless given its tool events)."""
-        submitted = codec.decode(sub, rollout_id=rollout_id, seq=1)
-        if not isinstance(submitted, Submitted):
-            raise CorruptRecord("first record is not Submitted", rollout_id=rollout_id, seq=1)
-        return codec.decode_snapshot(head, submitted, (), tool_events)
+        return codec.decode_snapshot(head, submitted_event(rollout_id, sub), (), tool_events)
 
     async def replay(self, rollout_id: str) -> RolloutState:
         """The state rebuilt from the log alone, checking every transition on the way."""
@@ -357,7 +398,7 @@ class EventStore:
         return True
 
     async def events(self, rollout_id: str) -> list[Event]:
-        return _decode_entries(rollout_id, await self.redis.xrange(self.keys.log(rollout_id)))
+        return decode_entries(rollout_id, await self.redis.xrange(self.keys.log(rollout_id)))
 
     async def statuses(self, rollout_ids: Sequence[str]) -> list[Status]:
         """Each rollout's status from its snapshot head alone, in one round trip."""
@@ -375,35 +416,6 @@ class EventStore:
     async def exists(self, rollout_id: str) -> bool:
         found: int = await self.redis.hexists(self.keys.snapshot(rollout_id), HEAD)  # type: ignore[misc]
         return bool(found)
-
-
-def read_head(pipe: Any, keys: Keys, rollout_id: str) -> None:
-    """Queue on ``pipe`` the two reads of a rollout's state without its token data: the
-    snapshot's head and the log's first entry (its ``Submitted`` record). Their replies go
-    to ``decode_head`` through ``submitted_record``."""
-    pipe.hget(keys.snapshot(rollout_id), HEAD)
-    pipe.xrange(keys.log(rollout_id), FIRST, FIRST)
-
-
-def submitted_record(entries: list[Any]) -> bytes | None:
-    """The ``Submitted`` record among a log's entries (an XRANGE reply), or None."""
-    if not entries or entries[0][0] != FIRST.encode():
-        return None
-    record: bytes | None = entries[0][1].get(b"e")
-    return record
-
-
-def _decode_entries(rollout_id: str, entries: list[Any]) -> list[Event]:
-    events = []
-    for entry_id, fields in entries:
-        # Entry ids are "0-<seq>" (see append.lua); the one field is b"e", the record.
-        seq = int(entry_id.split(b"-")[1])
-        events.append(codec.decode(fields[b"e"], rollout_id=rollout_id, seq=seq))
-    return events
-
-
-def _tool_events(events: list[Event]) -> list[ToolEvent]:
-    return [e for e in events if isinstance(e, TOOL_EVENTS)]
 
 
 def _refusal(reply: Any, event: Event) -> AppendRefused | None:

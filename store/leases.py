@@ -94,6 +94,19 @@ class Leases:
         await pipe.execute()
         return [None] * len(rollout_ids)
 
+    def take_steps(self, rollout_ids: list[str], ttl_s: float) -> list[scripts.Step]:
+        """``take_many``'s commands as steps of a caller's transaction: a worker takes an
+        attempt's lease in the very transaction that opens the attempt (``Checkpointer.append``,
+        ``before``), one round trip less per attempt than a lease of its own, and no moment
+        where one is there without the other. A MULTI that spans the lease index and the
+        rollout's keys, as the appends' own already do (issue 32 for Redis Cluster)."""
+        steps: list[scripts.Step] = [
+            scripts.Call(scripts.SET_LEASES, [self.key], ["take", _ms(ttl_s), *rollout_ids])
+        ]
+        if self.holder_key:
+            steps.append(("SADD", self.holder_key, *rollout_ids))
+        return steps
+
     async def renew(self, rollout_ids: Iterable[str], ttl_s: float) -> int:
         """Extend every lease still held, in one round trip; returns Redis's clock (unix ms),
         which the worker's heartbeat is stamped with (read even when nothing is held)."""

@@ -66,20 +66,25 @@ def queue_claim(pipe: Pipeline, keys: Keys, me: str, queue: Queue, n: int) -> No
 
 def block_for_one(
     connection: Redis, keys: Keys, me: str, queue: Queue, timeout: int, *, flagged: bool
-) -> str | None:
-    """rq's blocking dequeue of one job id (``Queue.lmove``: BLMOVE to the intermediate list).
-    ``flagged``: with this worker flagged waiting on ``queue`` for as long as it blocks (the
-    pipeline's DEL runs right after the BLMOVE returns, before any other command of this
-    worker): what a worker that took a job preferring this one reads (``bounce``)."""
-    if not flagged:
-        return _text(connection.blmove(queue.key, queue.intermediate_queue_key, timeout))
+) -> tuple[str | None, int]:
+    """rq's blocking dequeue of one job id (``Queue.lmove``: BLMOVE to the intermediate list),
+    and the jobs left on ``queue`` right after it (``LLEN`` in the same round trip: Redis
+    runs it as soon as the pop returns), so that a taker need not ask again whether more are
+    queued (``RqBridge._take``). ``flagged``: with this worker flagged waiting on ``queue`` for
+    as long as it blocks (the pipeline's DEL runs right after the BLMOVE returns, before any
+    other command of this worker): what a worker that took a job preferring this one reads
+    (``bounce``)."""
     waiting = keys.worker_waiting(me)
     with connection.pipeline(transaction=False) as pipe:
-        pipe.set(waiting, queue.key, px=timeout * 1000 + WAITING_MARGIN_MS)
+        if flagged:
+            pipe.set(waiting, queue.key, px=timeout * 1000 + WAITING_MARGIN_MS)
         pipe.blmove(queue.key, queue.intermediate_queue_key, timeout)
-        pipe.delete(waiting)
-        _, job_id, _ = pipe.execute()
-    return _text(job_id)
+        pipe.llen(queue.key)
+        if flagged:
+            pipe.delete(waiting)
+        replies = pipe.execute()
+    job_id, left = replies[1:3] if flagged else replies[:2]
+    return _text(job_id), int(left)
 
 
 def bounce(

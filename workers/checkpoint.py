@@ -31,11 +31,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from statemachine import Event, RolloutState
-from statemachine.errors import TransitionError
-from store import AppendRefused, EventStore, defaults
+from store import EventStore, defaults
+from store.scripts import Step
 from workers.store_condition import StoreCondition
 
-_Entry = tuple[RolloutState | None, Sequence[Event], "asyncio.Future[RolloutState]", bool]
+# (state, events, its future, gathered at a flush point, steps to run first: ``append``)
+_Entry = tuple[
+    RolloutState | None, Sequence[Event], "asyncio.Future[RolloutState]", bool, Sequence[Step]
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,16 +120,23 @@ class Checkpointer:
         return self.flush_points
 
     async def append(
-        self, state: RolloutState | None, events: Sequence[Event], *, gather: bool = False
+        self,
+        state: RolloutState | None,
+        events: Sequence[Event],
+        *,
+        gather: bool = False,
+        before: Sequence[Step] = (),
     ) -> RolloutState:
         """Append ``events`` in order; return the state after the last, or raise the refusal.
 
         ``gather``: a flush point's checkpoint, which may wait for the others of its point.
+        ``before``: steps that run first in the same transaction if the events are sent (an
+        attempt's lease with the event that opens it, ``Leases.take_steps``).
         """
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="checkpointer")
         future: asyncio.Future[RolloutState] = asyncio.get_running_loop().create_future()
-        self._queue.append((state, events, future, gather))
+        self._queue.append((state, events, future, gather, before))
         if gather:
             self._gathered += 1
         else:
@@ -146,7 +156,7 @@ class Checkpointer:
         futures: list[asyncio.Future[RolloutState]] = []
         for state, events in chains:
             future: asyncio.Future[RolloutState] = loop.create_future()
-            self._queue.append((state, events, future, False))
+            self._queue.append((state, events, future, False, ()))
             futures.append(future)
         self._urgent.set()
         self._wake.set()
@@ -182,13 +192,16 @@ class Checkpointer:
         return self._gathered
 
     async def _flush(self, batch: list[_Entry]) -> None:
-        chains = [(state, events) for state, events, _, _ in batch]
+        chains = [(state, events) for state, events, _, _, _ in batch]
+        before = [steps for *_, steps in batch] if any(e[4] for e in batch) else []
         t0 = time.perf_counter()
 
-        async def attempt() -> list[RolloutState | AppendRefused | TransitionError]:
+        async def attempt() -> list[RolloutState | Exception]:
             nonlocal t0
             t0 = time.perf_counter()  # the histogram times the round trip that was taken
-            return await self.store.append_many(chains)
+            if not before:
+                return await self.store.append_many(chains)
+            return await self.store.append_many(chains, before=before)
 
         try:
             # Refused for a condition of Redis's own (out of memory, a failed disk write):
@@ -199,14 +212,14 @@ class Checkpointer:
         except Exception as exc:
             # Redis unreachable: every caller gets the error and may retry its chain as is,
             # which is safe because a repeated append is recognised and not applied twice.
-            for _, _, future, _ in batch:
+            for _, _, future, _, _ in batch:
                 if not future.done():
                     future.set_exception(exc)
             return
         self.round_trips += 1
         if self.observe is not None:
             self.observe(time.perf_counter() - t0)
-        for (_, _, future, _), result in zip(batch, results, strict=True):
+        for (_, _, future, _, _), result in zip(batch, results, strict=True):
             if future.done():
                 continue  # its caller was cancelled meanwhile
             if isinstance(result, RolloutState):

@@ -25,6 +25,7 @@ from statemachine import (
     FinishReason,
     RolloutState,
     Status,
+    codec,
     commands,
     episode_commands,
     harness_commands,
@@ -355,7 +356,7 @@ class Generation:
             call_id=made.call_id, tool=made.name, tokens=done.num_tokens,
             status=done.status.value,
         )  # fmt: skip
-        return RunResult(Outcome.TOOL_CALL, done)
+        return RunResult(Outcome.TOOL_CALL, done, record=codec.encode(events[-1]))
 
     async def finish(
         self,

@@ -30,6 +30,9 @@ class RunResult:
     outcome: Outcome
     state: RolloutState
     error: str | None = None  # the engine's error (ENGINE_ERROR), or why it was refused
+    # TOOL_CALL: the record of the turn's last event as stored, from which the episode's next
+    # turn here reads only what came since (``store.since``).
+    record: bytes | None = None
 
 
 @dataclass(slots=True)

@@ -163,10 +163,12 @@ class RqBridge:
             queued = self._more(limit)
             if queued:
                 return self._bounce(queued)
-        first = self._one(timeout)
+        first, left = self._one_and_left(timeout)
         if first is None:
             return []
-        if limit == 1:
+        if limit == 1 or (left == 0 and not self.preferable):
+            # Nothing more queued when the pop returned (an episode's next turn, pushed alone
+            # by its tool's result): no third round trip to find that out again.
             return self._bounce([first])
         try:
             return self._bounce([first, *self._more(limit - 1)])
@@ -183,16 +185,23 @@ class RqBridge:
             return found
         return bounce(self.connection, self.keys, self.worker.name, found)
 
+    def _one_and_left(self, wait: int) -> tuple[tuple[Job, Queue] | None, int | None]:
+        """``_one(wait)``, and on a single queue the jobs left on it right after the pop
+        (None: not known)."""
+        if len(self.queues) > 1:
+            return self._one(wait), None
+        # rq's blocking dequeue, flagged waiting while it blocks (``workers.affinity``).
+        queue = self.queues[0]
+        job_id, left = block_for_one(self.connection, self.keys, self.worker.name, queue, wait,
+                                     flagged=self.preferable)  # fmt: skip
+        if job_id is None:
+            return None, left
+        (job,) = fetch_each(self.worker.job_class, self.connection, queue, [job_id])
+        return (None if job is None else (job, queue)), left  # gone: skipped, as rq skips it
+
     def _one(self, wait: int | None) -> tuple[Job, Queue] | None:
         if wait is not None and len(self.queues) == 1:
-            # rq's blocking dequeue, flagged waiting while it blocks (``workers.affinity``).
-            queue = self.queues[0]
-            job_id = block_for_one(self.connection, self.keys, self.worker.name, queue, wait,
-                                   flagged=self.preferable)  # fmt: skip
-            if job_id is None:
-                return None
-            (job,) = fetch_each(self.worker.job_class, self.connection, queue, [job_id])
-            return None if job is None else (job, queue)  # gone: skipped, as rq skips it
+            return self._one_and_left(wait)[0]
         try:
             return Queue.dequeue_any(
                 self.queues,

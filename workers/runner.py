@@ -32,6 +32,8 @@ from store import AppendRefused, EventStore, defaults
 from store.coalesce import Coalescer
 from store.leases import Leases
 from store.logs import log_event
+from store.scripts import Step
+from store.since import Held, load_held
 from workers import turns
 from workers.checkpoint import Cadence, Checkpointer
 from workers.engines.base import Engine
@@ -71,8 +73,10 @@ class RolloutRunner:
         max_worker_lost: int = defaults.MAX_WORKER_LOST,
         stepped: bool | None = None,
         prefetch_tokens: int = 0,
+        keep_turns: int = 0,
     ) -> None:
-        """``prefetch_tokens``: when a rollout has that many tokens left, its place's
+        """``keep_turns``: episodes to hold between their turns (``store.since``; 0: none).
+        ``prefetch_tokens``: when a rollout has that many tokens left, its place's
         ``nearly_free`` is called (0: never). ``stepped``: stream through the engine's steps
         (``workers.stepper``) rather than one ``generate`` stream per rollout; None: whenever
         the engine offers them (``generation.offers_steps``), the default; False: the
@@ -92,6 +96,14 @@ class RolloutRunner:
         # A rollout's first load, its lease and the lease's drop: each is one round trip of
         # its own per rollout, and many rollouts start and end together (store.coalesce).
         self._load = Coalescer(store.load_many)
+        # Episodes whose turn ended here at a tool call, as that turn's last append left them
+        # (oldest first, at most ``keep_turns``): their next turn here reads only the log's
+        # entries since (``store.since``).
+        self._held: dict[str, Held] = {}
+        self.keep_turns = keep_turns
+        self._load_held: Coalescer[Held, RolloutState] = Coalescer(
+            lambda held: load_held(store, held)
+        )
         if leases is not None:
             self._take: Coalescer[str, None] = Coalescer(
                 lambda ids: leases.take_many(ids, self.lease_ttl_s)
@@ -185,6 +197,8 @@ class RolloutRunner:
         self._idle.clear()
         try:
             result = await self._run(rollout_id, queue, attempt)
+            if result.outcome is Outcome.TOOL_CALL and result.state.status in AT_TOOL:
+                self._hold(result)
             if (
                 self.leases is not None
                 and result.outcome is Outcome.TOOL_CALL
@@ -214,6 +228,22 @@ class RolloutRunner:
             if not self._attempts:
                 self._idle.set()
 
+    def _hold(self, result: RunResult) -> None:
+        if not self.keep_turns or result.record is None:
+            return
+        rid = result.state.rollout_id
+        self._held.pop(rid, None)
+        self._held[rid] = Held(result.state, result.record)
+        while len(self._held) > self.keep_turns:
+            # The oldest: its next turn went to another worker, or its tool is slow.
+            del self._held[next(iter(self._held))]
+
+    async def _load_turn(self, rollout_id: str) -> RolloutState:
+        held = self._held.pop(rollout_id, None)
+        if held is None:
+            return await self._load(rollout_id)
+        return await self._load_held(held)
+
     def _not_to_run(self, state: RolloutState, queue: str | None) -> RunResult | None:
         """Why this job is not to be run here, judged before anything is written."""
         if state.terminal:
@@ -235,22 +265,27 @@ class RolloutRunner:
         return None
 
     async def _run(self, rollout_id: str, queue: str | None, attempt: Attempt) -> RunResult:
-        state = await self._load(rollout_id)
+        state = await self._load_turn(rollout_id)
         refused = self._not_to_run(state, queue)
         if refused is not None:
             return refused
         if state.too_stale(self.engine.weight_version):
             return await self._cancel_stale(state)
-        if self.leases is not None:
-            if state.status in LIVE:
-                # Judged by Redis's clock, as the reaper judges it: never this host's.
-                left = await self.leases.left_ms(rollout_id)
-                if left is not None and left > 0:
-                    # A live worker is generating it (rq delivered the job twice): leave it be.
-                    return RunResult(Outcome.DUPLICATE, state)
-            # Lease first, attempt second: a crash in between leaves a lease the reaper turns
-            # into a re-enqueue, never a live attempt nobody watches.
+        lease: list[Step] = []  # the lease, when it goes with the attempt's opening
+        if self.leases is not None and state.status in LIVE:
+            # Judged by Redis's clock, as the reaper judges it: never this host's.
+            left = await self.leases.left_ms(rollout_id)
+            if left is not None and left > 0:
+                # A live worker is generating it (rq delivered the job twice): leave it be.
+                return RunResult(Outcome.DUPLICATE, state)
+            # A takeover: lease first, attempt second (its worker-lost budget may end the
+            # rollout instead). A crash in between leaves a lease the reaper turns into a
+            # re-enqueue, never a live attempt nobody watches.
             await self.condition.until_written(lambda: self._take(rollout_id), "lease")
+        elif self.leases is not None:
+            # Taken in the transaction that opens the attempt: never one without the other,
+            # and one round trip less per attempt (an episode's every turn: bench_episodes).
+            lease = self.leases.take_steps([rollout_id], self.lease_ttl_s)
         try:
             if state.status in LIVE:
                 spent = await self._worker_lost_budget_spent(state)
@@ -265,7 +300,7 @@ class RolloutRunner:
                     self.stats.end(done.status)
                     return RunResult(Outcome.FINISHED, done)
             try:
-                state = await self._begin(state)
+                state = await self._begin(state, lease)
             except ModelMismatch:
                 # Another attempt began on a different model since we loaded it; the lease
                 # is that attempt's now (its heartbeats renew it), so it is not ours to drop.
@@ -345,7 +380,7 @@ class RolloutRunner:
         )  # fmt: skip
         return RunResult(Outcome.FINISHED, done)
 
-    async def _begin(self, state: RolloutState) -> RolloutState:
+    async def _begin(self, state: RolloutState, lease: list[Step]) -> RolloutState:
         events = commands.begin(
             state,
             worker_id=self.worker_id,
@@ -353,7 +388,7 @@ class RolloutRunner:
             weight_mode=self.weight_mode,
             model=self.model_id,
         )
-        began = await self.checkpointer.append(state, events)
+        began = await self.checkpointer.append(state, events, before=lease)
         self._log_begin(state, began)
         return began
 

@@ -162,6 +162,8 @@ class Worker:
             max_worker_lost=cfg.max_worker_lost,
             stepped=cfg.stepped,
             prefetch_tokens=cfg.prefetch_tokens,
+            # An episode between turns per slot: its turn's state, shared with its events.
+            keep_turns=cfg.max_concurrency,
         )
         self.store = store
         rq = RqBridge(

@@ -75,16 +75,18 @@ class Handlers:
         body = await parse(request, s.ClaimRequest)
         lease_s = body.lease_s or self.env.lease_s
         deadline = time.monotonic() + body.timeout_s
+        first: str | None = None
         while True:
             # A claim for a runner that went away would hold the call until its lease
             # lapses, and then count as a lost runner (effect unverified): look first.
             if request.transport is None or request.transport.is_closing():
                 raise CallerGone(f"runner {body.runner_id} left its claim on {queue}")
-            got = await self.env.claim(queue, body.runner_id, lease_s)
+            got = await self.env.claim(queue, body.runner_id, lease_s, first=first)
             left = deadline - time.monotonic()
             if got is not None or left <= 0:
                 break
-            await self.env.wait([queue], left)  # its doorbell, or TOOL_CLAIM_POLL_S
+            rung = await self.env.wait([queue], left)  # its doorbell, or TOOL_CLAIM_POLL_S
+            first = None if rung is None else rung[1]
         if got is None:
             return web.Response(status=204)
         log_event(log, logging.DEBUG, "env_claim", "tool call claimed", rollout_id=got.rollout_id,

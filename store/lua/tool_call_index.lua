@@ -21,10 +21,13 @@
 --           its number and its call, as store/tool_index.py's claim_fence spells them)
 -- KEYS[k+1] the environment queue its episode names (a sorted set: member rollout id, score
 --           = when the call became claimable, unix ms by Redis's clock: oldest first)
--- KEYS[k+2] that queue's doorbell (a list): one entry pushed per call that becomes claimable,
---           so a runner blocked on it (BLPOP) wakes at once; capped at BELL_MAX entries, so
---           a queue nobody serves keeps no more than that (a runner that comes finds some
---           rung for calls already claimed, looks, finds nothing, and waits again)
+-- KEYS[k+2] that queue's doorbell (a list): the rollout id pushed at its tail per call that
+--           becomes claimable, so a runner blocked on it (BLPOP) wakes at once, oldest ring
+--           first, and tries that episode before looking at the queue; capped at the newest
+--           BELL_MAX entries, so a queue nobody serves keeps no more than that (a runner that
+--           comes finds some rung for calls already claimed, looks, finds nothing, and waits
+--           again). A ring is a hint: the queue is the authority, looked at whenever a ring
+--           names no claimable call.
 -- ARGV[1]   the lease TTL of a claim that lands here, ms
 -- ARGV[2]   how long a harness turn's completion stream is kept, s (0: no expiry)
 -- then per event i, with a = 2 + 6i:
@@ -72,8 +75,8 @@ for i = 0, (#ARGV - 2) / 6 - 1 do
       end
     elseif st == 'awaiting_tool' then
       if redis.call('ZADD', queue, 'NX', now, rid) == 1 then
-        redis.call('LPUSH', bell, 1)
-        redis.call('LTRIM', bell, 0, BELL_MAX - 1)
+        redis.call('RPUSH', bell, rid)
+        redis.call('LTRIM', bell, -BELL_MAX, -1)
       end
     end
     if st == 'awaiting_tool' then

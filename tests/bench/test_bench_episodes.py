@@ -32,3 +32,14 @@ def test_a_small_run_reports_every_figure() -> None:
     assert result["episodes_checked"] == 2 and len(result["ratios"]) == 2
     # 16-token observations: 64 bytes of payload each, stored in a record of ~120 bytes more.
     assert 1.0 < result["observation_bytes_ratio"] < 4.0
+
+
+def test_the_direct_side_through_the_engines_steps_does_the_same_turns() -> None:
+    """``--direct steps``: the engine driven through its whole steps, as the worker drives it
+    (the contexts are checked equal to the durable side's, or the run exits non-zero)."""
+    result = figures(
+        "bench_episodes.py", "--episodes", "2", "--turns", "3", "--rounds", "2",
+        "--token-ms", "2", "--observation", "16", "--direct", "steps",
+    )  # fmt: skip
+    assert_finite(result, FIGURES)
+    assert result["workload"]["direct"] == "steps" and result["episodes_checked"] == 2

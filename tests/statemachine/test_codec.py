@@ -31,6 +31,7 @@ from statemachine import (
     codec,
 )
 from statemachine.arrays import pack_array, unpack_array
+from statemachine.episode_events import TOOL_EVENTS
 from tests import factories as f
 
 ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=40)
@@ -127,8 +128,11 @@ events = token_events() | other_events()
 @given(events)
 def test_round_trip_is_exact(event: Event) -> None:
     record = codec.encode(event)
-    assert codec.decode(record) == event
     assert codec.decode(record, rollout_id=event.rollout_id, seq=event.seq) == event
+    if not isinstance(event, TOOL_EVENTS):
+        # Every record but a lean one also says where it belongs (a lean one needs to be told:
+        # tests/statemachine/test_episode_codec.py).
+        assert codec.decode(record) == event
 
 
 @given(token_events())

@@ -293,7 +293,7 @@ def run_history(sub: Submitted, data: st.DataObject, draw_command: Any) -> None:
     why = state.finish_reason or state.failure
     event(f"ends {state.status.value} ({why}), {len(state.calls)} calls")
     assert fold(accepted) == state
-    decoded = [codec.decode(codec.encode(e)) for e in accepted]
+    decoded = [codec.decode(codec.encode(e), rollout_id=e.rollout_id, seq=e.seq) for e in accepted]
     assert decoded == accepted
     first = decoded[0]
     assert isinstance(first, Submitted)

@@ -14,6 +14,7 @@ from store import EventStore
 from store.client import RolloutClient
 from store.environment import EnvironmentClient
 from store.redis_server import RedisServer
+from tests import factories as f
 
 
 @pytest.fixture
@@ -28,8 +29,7 @@ async def client(
 
 @pytest.fixture(params=["fakeredis", "redis-server"])
 async def env(request: pytest.FixtureRequest) -> AsyncIterator[EnvironmentClient]:
-    """An ``EnvironmentClient`` (one retry of a failed call) on fakeredis and on the session's
-    redis-server, emptied for the test."""
+    """An ``EnvironmentClient`` on fakeredis, then on the session's redis-server (emptied)."""
     if request.param == "fakeredis":
         server = fakeredis.FakeServer()
         client: Any = fakeredis.FakeAsyncRedis(server=server)
@@ -42,3 +42,20 @@ async def env(request: pytest.FixtureRequest) -> AsyncIterator[EnvironmentClient
     yield EnvironmentClient(EventStore(client), sync, retries=1)
     await client.aclose()
     sync.close()
+
+
+async def waiting(env: EnvironmentClient, rid: str = "ep", tool: str = "calc", **kw: Any) -> None:
+    """An episode whose first turn ended at a call of ``tool``."""
+    store = env.store
+    s = await store.append(None, f.episode_submitted(rid, **kw))
+    s = await store.append(s, f.started(s))
+    s = await store.append(s, f.tokens(s, n=3))
+    await store.append(s, f.requested(s, tool))
+
+
+async def queued(env: EnvironmentClient, queue: str = "default") -> list[bytes]:
+    return list(await env.store.redis.zrange(env.store.keys.env_queue(queue), 0, -1))
+
+
+async def leased(env: EnvironmentClient) -> list[bytes]:
+    return list(await env.store.redis.zrange(env.store.keys.tool_leases(), 0, -1))

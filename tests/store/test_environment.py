@@ -19,23 +19,9 @@ from store.errors import ClaimLost
 from store.queue import rollout_queue
 from store.tool_sweep import sweep_lost_calls
 from tests import factories as f
-
-
-async def _waiting(env: EnvironmentClient, rid: str = "ep", tool: str = "calc", **kw: Any) -> None:
-    """An episode whose first turn ended at a call of ``tool``."""
-    store = env.store
-    s = await store.append(None, f.episode_submitted(rid, **kw))
-    s = await store.append(s, f.started(s))
-    s = await store.append(s, f.tokens(s, n=3))
-    await store.append(s, f.requested(s, tool))
-
-
-async def _queued(env: EnvironmentClient, queue: str = "default") -> list[bytes]:
-    return list(await env.store.redis.zrange(env.store.keys.env_queue(queue), 0, -1))
-
-
-async def _leased(env: EnvironmentClient) -> list[bytes]:
-    return list(await env.store.redis.zrange(env.store.keys.tool_leases(), 0, -1))
+from tests.store.conftest import leased as _leased
+from tests.store.conftest import queued as _queued
+from tests.store.conftest import waiting as _waiting
 
 
 async def test_a_requested_call_is_claimed_once_leased_and_off_its_queue(

@@ -3,7 +3,8 @@
 ``python -m tests.workers.dying_worker URL STEP``; STEP is where it dies:
 - ``dequeued``: the job has left the queue (rq's intermediate list), nothing else happened;
 - ``started``: rq lists the job as started by this worker; no lease, no event;
-- ``leased``: the rollout's lease is taken, no event yet;
+- ``leased``: the rollout's lease is taken, and its attempt opened in the same transaction
+  (``Leases.take_steps``), no token yet;
 - ``aborted``: an attempt ended (an engine error on the poison token 7), its lease dropped,
   and the worker dies before giving the job back.
 It runs the real worker, with rq's execution TTL at 2 s so the test need not wait 15 s.
@@ -17,9 +18,9 @@ import signal
 import sys
 from typing import Any
 
-from store.leases import Leases
 from workers.engines.synthetic import SyntheticEngine
 from workers.rq_bridge import RqBridge
+from workers.runner import RolloutRunner
 from workers.worker import Worker, WorkerConfig
 
 
@@ -61,7 +62,7 @@ def main(url: str, step: str) -> None:
     elif step == "started":
         _after(RqBridge, "_start", sync=True)  # on the books thread, once rq has it
     elif step == "leased":
-        _after(Leases, "take_many")  # the runner takes leases through it (coalesced)
+        _after(RolloutRunner, "_begin")  # its lease goes with the attempt's opening
     elif step == "aborted":
         _before(RqBridge, "requeue")
     else:

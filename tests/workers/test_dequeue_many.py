@@ -110,6 +110,34 @@ async def test_the_blocking_wait_still_ends_on_the_first_job(
     assert time.monotonic() - started < 3  # woke on the job, not at the 5 s timeout
 
 
+async def test_a_job_woken_for_alone_is_taken_without_asking_for_more(
+    server: RedisServer, bridge: RqBridge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocking pop reads the queue's length in its own round trip: a job that came alone
+    (an episode's next turn, pushed by its tool's result) is taken in two round trips, the pop
+    and its hash, not three; jobs that came together are all taken, as before."""
+    from workers import rq_bridge
+
+    asked: list[int] = []
+    real = rq_bridge.pop_share
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        asked.append(len(found))
+        return found
+
+    monkeypatch.setattr(rq_bridge, "pop_share", counted)
+    call = asyncio.create_task(bridge.dequeue_many(5, 8))
+    await asyncio.sleep(0.3)
+    assert asked == [0]  # the look before blocking: empty
+    [rid] = await _submit(server, 1)
+    assert [t.rollout_id for t in await call] == [rid] and asked == [0]
+    call = asyncio.create_task(bridge.dequeue_many(5, 8))
+    await asyncio.sleep(0.3)
+    two = await _submit(server, 2)  # one transaction: the pop finds one more behind it
+    assert [t.rollout_id for t in await call] == two and asked == [0, 0, 1]
+
+
 async def test_a_worker_with_free_slots_takes_queued_jobs_in_few_dequeues(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -314,3 +315,45 @@ async def test_a_job_delivered_again_to_the_worker_running_it_leaves_the_run_its
     result = await asyncio.wait_for(live, 10)
     assert result.outcome is Outcome.ABORTED and 0 < result.state.num_tokens < 400
     assert runner.active == [] and await leases.expiry("dup") is None
+
+
+class CountedLeases(Leases):
+    """Leases that count the round trips of their own a runner spends on takes."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.takes: list[list[str]] = []
+
+    async def take_many(self, rollout_ids: list[str], ttl_s: float) -> list[None]:
+        self.takes.append(list(rollout_ids))
+        return await super().take_many(rollout_ids, ttl_s)
+
+
+async def test_an_attempt_takes_its_lease_in_the_round_trip_that_opens_it(
+    redis_client: aredis.Redis,
+) -> None:
+    """A fresh attempt (or a resume, or an episode's next turn) sends its lease with its
+    ``Started`` in one transaction: no round trip of the lease's own. A takeover still takes
+    the lease first, on its own (its worker-lost budget may end the rollout instead)."""
+    store = EventStore(redis_client)
+    await store.append(None, f.submitted("r1", max_tokens=32))
+    leases = CountedLeases(redis_client, holder="w1")
+    checkpointer = Checkpointer(store)
+    engine = SyntheticEngine(tokens_per_chunk=4, token_delay_s=0.05)
+    runner = RolloutRunner(store, checkpointer, engine, "w1", leases=leases)
+    task = asyncio.create_task(runner.run("r1"))
+    for _ in range(500):
+        if (await store.head("r1")).status is Status.GENERATING:
+            break
+        await asyncio.sleep(0.01)
+    left = await leases.left_ms("r1")
+    assert left is not None and left > 4_000 and await leases.held_by("w1") == ["r1"]
+    assert checkpointer.round_trips == 1 and leases.takes == []  # lease and Started together
+    await runner.stop("r1", AbortReason.SHUTDOWN)
+    assert (await task).outcome is Outcome.ABORTED and await leases.left_ms("r1") is None
+    # A takeover: another worker's attempt is live and its lease lapsed.
+    await store.append(await store.head("r1"), f.resumed(await store.head("r1"), worker="w9"))
+    other = CountedLeases(redis_client, holder="w2")
+    result = await RolloutRunner(store, Checkpointer(store), SyntheticEngine(), "w2",
+                                 leases=other).run("r1")  # fmt: skip
+    assert result.outcome is Outcome.FINISHED and other.takes == [["r1"]]

@@ -156,6 +156,7 @@ class EnvRunner:
         await asyncio.gather(*(self._claimer(stopped) for _ in range(n)))
 
     async def _claimer(self, stopped: asyncio.Task[Any]) -> None:
+        rung: tuple[str, str] | None = None  # the ring this claimer took: tried first
         while not self._stop.is_set():
             # Claimers never outnumber the slots, so a full house has a call running to
             # wait for.
@@ -163,15 +164,17 @@ class EnvRunner:
                 await asyncio.wait([*self._running, stopped], return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                claim = await self._claim_counted()
+                claim = await self._claim_counted(rung)
             except (RedisError, OSError, StoreError) as exc:
                 # Redis gone or refusing for longer than the client's retries: look again
                 # later; calls wait on their queue meanwhile.
                 log.warning("claiming failed: %s", exc, exc_info=not is_outage(exc))
+                rung = None
                 await self._pause(CLAIM_BACKOFF_S)
                 continue
+            rung = None
             if claim is None:
-                await self._idle()
+                rung = await self._idle()
                 continue
             # Even if a stop came meanwhile: the call is ours now and runs within the grace.
             running = Running(claim)
@@ -179,34 +182,43 @@ class EnvRunner:
             self._running[task] = running
             task.add_done_callback(self._running.pop)
 
-    async def _claim_counted(self) -> ToolCallClaim | None:
+    async def _claim_counted(self, rung: tuple[str, str] | None) -> ToolCallClaim | None:
         self._claiming += 1
         try:
-            return await self._claim_next()
+            return await self._claim_next(rung)
         finally:
             self._claiming -= 1
 
-    async def _claim_next(self) -> ToolCallClaim | None:
-        """The next claimable call of the queues, taken in turn so none starves the others."""
-        queues = self.config.queues
-        for i in range(len(queues)):
-            at = (self._next_queue + i) % len(queues)
-            claim = await self.env.claim(queues[at], self.config.runner_id, self.config.lease_s)
+    async def _claim_next(self, rung: tuple[str, str] | None) -> ToolCallClaim | None:
+        """The call a ring named, if it is claimable; else the next claimable call of the
+        queues, taken in turn so none starves the others."""
+        cfg = self.config
+        if rung is not None:
+            queue, rid = rung
+            claim = await self.env.claim(queue, cfg.runner_id, cfg.lease_s, first=rid)
             if claim is not None:
-                self._next_queue = (at + 1) % len(queues)
+                return claim
+        for i in range(len(cfg.queues)):
+            at = (self._next_queue + i) % len(cfg.queues)
+            if rung is not None and cfg.queues[at] == rung[0]:
+                continue  # looked at just now
+            claim = await self.env.claim(cfg.queues[at], cfg.runner_id, cfg.lease_s)
+            if claim is not None:
+                self._next_queue = (at + 1) % len(cfg.queues)
                 return claim
         return None
 
-    async def _idle(self) -> None:
+    async def _idle(self) -> tuple[str, str] | None:
         """Until a call may be claimable on one of the queues (their doorbells ring at once), or
         ``IDLE_WAIT_S``: the loop then sees a stop within that (the blocking pop is never
-        cancelled, which could leave its connection mid-reply)."""
+        cancelled, which could leave its connection mid-reply). The ring taken, if any."""
         try:
-            await self.env.wait(self.config.queues, IDLE_WAIT_S)
+            return await self.env.wait(self.config.queues, IDLE_WAIT_S)
         except (RedisError, OSError) as exc:
             # Redis gone: the next claim says so and backs off.
             log.debug("waiting for calls failed: %s", exc)
             await self._pause(IDLE_WAIT_S)
+            return None
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
