@@ -294,7 +294,7 @@ class RolloutClient:
         batches so, and the session's index once nothing of it is live."""
         if session is not None:
             sessions.alone(ids, batch_id, group)
-            return await sessions.ack(self.redis, self.keys, session, self.ack)
+            return await sessions.ack(self.redis, self.keys, session, self.ack, self.store)
         targets = await self._targets(ids, batch_id, group)
         owners = await self._batches_of(targets, batch_id)
         report = await lifecycle.ack(self.store, targets, owners)

@@ -23,12 +23,12 @@ from dataclasses import dataclass, replace
 
 from redis.asyncio import Redis
 
-from statemachine import Status, codec
+from statemachine import Status, codec, harness_commands
 from store import batches, defaults
 from store.affinity import Affinity
 from store.batches import BatchInfo
-from store.errors import RolloutNotFound
-from store.event_store import HEAD
+from store.errors import RolloutNotFound, SequenceConflict
+from store.event_store import HEAD, EventStore
 from store.keys import Keys
 from store.lifecycle import AckReport
 
@@ -201,13 +201,22 @@ async def rollouts(redis: Redis, keys: Keys, session_id: str) -> list[str]:
 
 
 async def ack(
-    redis: Redis, keys: Keys, session_id: str, ack_batch: Callable[..., Awaitable[AckReport]]
+    redis: Redis,
+    keys: Keys,
+    session_id: str,
+    ack_batch: Callable[..., Awaitable[AckReport]],
+    store: EventStore | None = None,
 ) -> AckReport:
     """``RolloutClient.ack(session=)``: each call's batch acknowledged whole (``ack_batch``:
-    the client's ``ack``), then the index deleted once nothing of the session is live."""
+    the client's ``ack``), then the index deleted once nothing of the session is live. With
+    ``store``, a harness-driven episode of the session that waits for its next call ends first
+    (``session_end``): the trainer is done with the session, and a later call of it starts
+    an episode of its own."""
     report = AckReport()
     listed = await batch_ids(redis, keys, session_id)
     turns = keys.session_turns(session_id)
+    if store is not None:
+        await _end_waiting(store, await rollouts(redis, keys, session_id))
     for b in listed:
         if await redis.hexists(turns, b):  # type: ignore[misc]
             continue  # a later turn's call: acknowledged with its episode's first call
@@ -222,3 +231,17 @@ async def ack(
         await redis.unlink(keys.session(session_id), keys.session_worker(session_id), turns,
                            *streams)  # fmt: skip
     return report
+
+
+async def _end_waiting(store: EventStore, ids: Sequence[str]) -> None:
+    """End the harness-driven episodes of ``ids`` that wait for a next call."""
+    for rid in ids:
+        try:
+            state = await store.head(rid)
+        except RolloutNotFound:
+            continue  # acknowledged or expired already
+        events = harness_commands.end_session(state)
+        if events:
+            # A call fed it meanwhile: it is live, and the ack reports it so.
+            with contextlib.suppress(SequenceConflict):
+                await store.append_chain(state, events)

@@ -162,3 +162,17 @@ async def test_the_sessions_end_and_an_idle_session_end_its_episode(
     assert await sweep_wall_time(client.store, clock=lambda: later) == [idle.rollout_id]
     done = await client.store.head(idle.rollout_id)
     assert done.finish_reason is FinishReason.SESSION_END
+
+
+async def test_acknowledging_the_session_ends_its_waiting_episode_and_deletes_it_all(
+    client: RolloutClient,
+) -> None:
+    answers = await three_calls(HarnessTurns(client))
+    rid = answers[0].rollout_id
+    assert (await client.store.head(rid)).status is Status.AWAITING_TOOL
+    report = await client.ack(session=SESSION)
+    assert report.acked == [rid] and report.live == []
+    keys = client.keys
+    left = [keys.snapshot(rid), keys.log(rid), keys.session(SESSION), keys.session_turns(SESSION),
+            keys.batch("call-0"), *(keys.completions(f"call-{k}") for k in range(3))]  # fmt: skip
+    assert await client.redis.exists(*left) == 0
