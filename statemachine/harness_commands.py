@@ -14,16 +14,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from statemachine.commands import NewTokens, checkpoint
-from statemachine.episode_commands import end_on_budget
-from statemachine.episode_events import HARNESS_CALL, ToolCallRequested, TurnRequested
+from statemachine.commands import NewTokens
+from statemachine.episode_commands import request_call
+from statemachine.episode_events import HARNESS_CALL, TurnRequested
 from statemachine.errors import IllegalTransition, NotAnEpisode
 from statemachine.events import Event, Finished
 from statemachine.request import SamplingParams
 from statemachine.rollout_state import RolloutState
 from statemachine.status import FinishReason, Status
 from statemachine.tool_calls import ToolCall
-from statemachine.transitions import apply
 
 
 def end_turn(
@@ -39,26 +38,13 @@ def end_turn(
     a budget leaves it no next turn)."""
     if not state.harness:
         raise NotAnEpisode(state.rollout_id, state.seq + 1, "not a harness-driven episode")
-    events: list[Event] = []
-    if tokens is not None and len(tokens):
-        events.append(checkpoint(state, tokens))
-        state = apply(state, events[-1])
-    call_id = f"turn-{len(state.calls) + 1}"
-    events.append(
-        ToolCallRequested(
-            rollout_id=state.rollout_id,
-            seq=state.seq + 1,
-            attempt=state.attempt,
-            offset=state.num_tokens,
-            call_id=call_id,
-            name=HARNESS_CALL,
-            arguments=json.dumps(
-                {"finish_reason": reason.value, "stop_reason": stop_reason}, separators=(",", ":")
-            ),
-            idempotency_key=f"{state.rollout_id}/{call_id}",
-        )
-    )
-    return events + end_on_budget(apply(state, events[-1]), now)
+    # Recorded as a call (its context bookkeeping serves both kinds of episode), named for
+    # the harness, its arguments the turn's finish.
+    finish = {"finish_reason": reason.value, "stop_reason": stop_reason}
+    return request_call(
+        state, name=HARNESS_CALL, arguments=json.dumps(finish, separators=(",", ":")),
+        call_id=f"turn-{len(state.calls) + 1}", tokens=tokens, now=now,
+    )  # fmt: skip
 
 
 def request_turn(

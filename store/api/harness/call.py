@@ -28,9 +28,9 @@ import asyncio
 import contextlib
 import hashlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from statemachine import RolloutRequest, Status
 from store import defaults
@@ -40,6 +40,8 @@ from store.results import RolloutResult
 from store.turn_results import turn_result
 
 from .served import ServedModel
+
+T = TypeVar("T")
 
 
 class Overloaded(Exception):
@@ -148,20 +150,10 @@ class Calls:
                 [request], n=call.n, batch_id=call.batch_id(), session=call.session
             )
             # The Batch itself: a fresh one is waited for without reading its heads first.
-            waiting = asyncio.ensure_future(self.client.wait(batch, timeout=self.timeout_s))
-            try:
-                if gone is not None:
-                    await _until_done_or_gone(waiting, gone)
-                    if not waiting.done():
-                        waiting.cancel()
-                        if self.on_disconnect == "cancel":
-                            await self.client.cancel(batch_id=batch.batch_id,
-                                                     reason="caller disconnected")  # fmt: skip
-                        raise CallerGone(f"the caller of {batch.batch_id} disconnected")
-                results = await waiting
-            finally:
-                if not waiting.done():
-                    waiting.cancel()
+            results = await self._answer(
+                self.client.wait(batch, timeout=self.timeout_s), gone, batch.batch_id,
+                lambda: self.client.cancel(batch_id=batch.batch_id, reason="caller disconnected"),
+            )  # fmt: skip
         for r in results:
             if r.status is not Status.DONE:
                 raise CallFailed(r)
@@ -174,26 +166,41 @@ class Calls:
         found, for a retry), waited for, and answered with the turn alone."""
         assert call.session is not None
         turn = await self.turns.begin(call.session, call.batch_id(), request)
-        waiting = asyncio.ensure_future(self.turns.wait(turn, self.timeout_s))
+        # Cancelled with the caller gone, the episode is the session's: its earlier turns go
+        # with it, as the operator asked (``--on-disconnect cancel``).
+        state = await self._answer(
+            self.turns.wait(turn, self.timeout_s), gone, turn.batch_id,
+            lambda: self.client.cancel([turn.rollout_id], reason="caller disconnected"),
+        )  # fmt: skip
+        full = RolloutResult.from_state(state)
+        result = turn_result(full, turn.turn, turn.batch_id, self.client.tokenizer)
+        if result.status is not Status.DONE:
+            raise CallFailed(result)
+        return result
+
+    async def _answer(
+        self,
+        wait: Awaitable[T],
+        gone: Callable[[], bool] | None,
+        name: str,
+        cancel: Callable[[], Awaitable[Any]],
+    ) -> T:
+        """What ``wait`` returns, unless the caller goes first (``gone``, polled): then the
+        call stops waiting (``CallerGone``), which frees its place among the ``max_waiting``,
+        and with ``on_disconnect="cancel"`` calls ``cancel``."""
+        waiting = asyncio.ensure_future(wait)
         try:
             if gone is not None:
                 await _until_done_or_gone(waiting, gone)
                 if not waiting.done():
                     waiting.cancel()
                     if self.on_disconnect == "cancel":
-                        # The episode is the session's: its earlier turns go with it, as the
-                        # operator asked (``--on-disconnect cancel``).
-                        await self.client.cancel([turn.rollout_id], reason="caller disconnected")
-                    raise CallerGone(f"the caller of {turn.batch_id} disconnected")
-            state = await waiting
+                        await cancel()
+                    raise CallerGone(f"the caller of {name} disconnected")
+            return await waiting
         finally:
             if not waiting.done():
                 waiting.cancel()
-        full = RolloutResult.from_state(state)
-        result = turn_result(full, turn.turn, turn.batch_id, self.client.tokenizer)
-        if result.status is not Status.DONE:
-            raise CallFailed(result)
-        return result
 
 
 async def _until_done_or_gone(task: asyncio.Future[Any], gone: Callable[[], bool]) -> None:
