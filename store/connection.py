@@ -19,10 +19,11 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, overload
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio as aredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection as AsyncAbstractConnection
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import EqualJitterBackoff
@@ -38,6 +39,7 @@ from redis.retry import Retry
 
 from store.cancel_safe import keep_cancels
 from store.errors import InvalidRedisUrl, unwritable
+from store.slots import cluster_nodes, is_cluster_url
 
 try:
     from redis.driver_info import DriverInfo
@@ -111,6 +113,12 @@ def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
     """An asyncio client; ``client_name`` names its connections (``CLIENT SETNAME``, on every
     reconnect too), so that ``CLIENT LIST`` shows an operator whose they are. Its connections
     let a task's cancellation through (``store.cancel_safe``)."""
+    if is_cluster_url(url):
+        raise InvalidRedisUrl(
+            "a Redis Cluster URL (redis+cluster://) holds the event store "
+            "(EventStore(connect_cluster(url))), but workers, the API, the trainer client and "
+            "the ops commands do not run on a cluster yet: give them one Redis (redis://)"
+        )
     client = aredis.Redis.from_url(
         url,
         client_name=client_name,
@@ -122,6 +130,30 @@ def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
         **_DRIVER,
     )
     return _pings_answered(keep_cancels(client))
+
+
+def connect_cluster(url: str, *, client_name: str | None = None) -> RedisCluster:
+    """An asyncio Redis Cluster client for a ``redis+cluster://[user:password@]host:port[,...]``
+    URL (``store.slots.cluster_nodes``), retrying as ``connect`` does. Partial slot coverage
+    is accepted at start: during a failover some slots have no master for seconds, and the
+    store's own writes wait those out (``store.cluster_commit``)."""
+    parts = urlsplit(url)
+    try:
+        nodes = [ClusterNode(host, port) for host, port in cluster_nodes(url)]
+    except ValueError as exc:
+        raise InvalidRedisUrl(f"not a Redis Cluster URL: {exc}".replace(url, redact(url))) from None
+    return RedisCluster(
+        startup_nodes=nodes,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+        client_name=client_name,
+        require_full_coverage=False,
+        retry=_AsyncRetry(EqualJitterBackoff(*BACKOFF), RETRIES),
+        retry_on_error=list(_ERRORS),
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=2.0,
+        **_DRIVER,
+    )
 
 
 def connect_sync(url: str) -> redis.Redis:

@@ -107,6 +107,8 @@ class Refusal(StrEnum):
     # fsync (a full disk under ``appendfsync everysec``; under ``always`` Redis exits instead).
     MISCONF = "misconf"
     READONLY = "readonly"  # a read-only replica (a failover the clients have not followed yet)
+    # A master with ``min-replicas-to-write`` set and fewer replicas than that connected.
+    NOREPLICAS = "noreplicas"
 
 
 class StoreUnwritable(StoreError):
@@ -121,6 +123,16 @@ class StoreUnwritable(StoreError):
         self.detail = detail  # Redis's own words
 
 
+class ReplicasNotAcked(StoreError):
+    """A write its master applied that fewer replicas than asked (``--min-replicas-acked``)
+    confirmed within the timeout (``WAIT``). It does not count as saved: a failover now could
+    lose it. Retry it as it was (a repeated append is recognised, never applied twice)."""
+
+    def __init__(self, node: str, wanted: int, acked: int) -> None:
+        super().__init__(f"{acked} of {wanted} replicas of {node} confirmed the write in time")
+        self.node, self.wanted, self.acked = node, wanted, acked
+
+
 # What each condition's error reply says, wherever redis-py puts it: its own prefix is stripped
 # from a bare reply ("OOM command not allowed ..." -> OutOfMemoryError("command not allowed
 # ...")), kept inside a transaction's (EXECABORT "Transaction discarded because of: OOM ...")
@@ -131,6 +143,7 @@ _REFUSALS: tuple[tuple[Refusal, type[Exception] | None, re.Pattern[str]], ...] =
     (Refusal.MISCONF, None, re.compile(r"\bMISCONF\b")),
     (Refusal.READONLY, ReadOnlyError,
      re.compile(r"\bREADONLY\b|can't write against a read only replica")),
+    (Refusal.NOREPLICAS, None, re.compile(r"\bNOREPLICAS\b")),
 )  # fmt: skip
 # What redis-py and Redis put before the reply itself (dropped from ``detail``).
 _WRAPPED = re.compile(r"caused error: |discarded because of: ")

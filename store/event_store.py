@@ -20,9 +20,10 @@ number taken, and the stored record is compared with the caller's here).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from statemachine import (
     Event,
@@ -38,7 +39,7 @@ from statemachine import (
 )
 from statemachine.episode_events import ToolEvent
 from statemachine.errors import CorruptRecord, TransitionError
-from store import defaults, scripts
+from store import cluster_appends, defaults, scripts
 from store.errors import (
     AppendRefused,
     RolloutExists,
@@ -76,11 +77,20 @@ __all__ = [
 
 
 class EventStore:
-    def __init__(self, client: Redis, keys: Keys | None = None) -> None:
+    def __init__(
+        self, client: Redis | RedisCluster, keys: Keys | None = None, *, replicas_acked: int = 0
+    ) -> None:
+        """``client``: one Redis, or a Redis Cluster (``store.cluster_appends``).
+        ``replicas_acked``: an append counts as stored once that many replicas of its master
+        confirm it (``WAIT``), else it raises ``ReplicasNotAcked`` (0: once its master has)."""
+        # A RedisCluster serves every command the store sends outside the cluster's own paths.
+        self.redis = cast(Redis, client)
         # Records are binary: a client that decodes responses would mangle them.
-        if client.get_encoder().decode_responses:  # type: ignore[no-untyped-call]
+        if self.redis.get_encoder().decode_responses:  # type: ignore[no-untyped-call]
             raise ValueError("EventStore needs a Redis client with decode_responses=False")
-        self.redis = client
+        self.on_cluster = client if isinstance(client, RedisCluster) else None
+        self.cluster = self.on_cluster is not None
+        self.replicas_acked = replicas_acked
         self.keys = keys or Keys()
 
     # -- writes -------------------------------------------------------------------------------
@@ -189,6 +199,9 @@ class EventStore:
         ``before``, steps that run first. ``then``: steps of the caller's that run last in the
         same transaction (a script that acts only if the appends landed, as
         lua/turn_job.lua); ``tool_lease_s``: the lease of a tool call claimed here."""
+        if self.cluster:
+            cluster_appends.check_supported(calls, [*before, *then])
+            return await self._run_on_cluster(calls), []
         # A rollout's n-th event of the batch goes in the n-th script call (lua/append.lua
         # takes at most one event per rollout per call), each call preceded by its records.
         rounds: list[list[int]] = []
@@ -204,7 +217,7 @@ class EventStore:
         lease_ms = int(1000 * (tool_lease_s or defaults.TOOL_LEASE_TTL_S))
         for members in rounds:
             keys: list[str] = [calls[members[0]].keys[3]]  # the counters, one for all
-            args: list[int | str | bytes] = []
+            args: list[int | str | bytes] = [""]  # completions to their batches' streams
             xadds = []
             for i in members:
                 keys += calls[i].script_keys()
@@ -219,18 +232,28 @@ class EventStore:
             index = index_call(self.keys, [calls[i] for i in members], lease_ms)
             if index is not None:
                 steps.append(index)
-        replies = await scripts.transaction(self.redis, [*steps, *then])
+        replies = await scripts.transaction(
+            self.redis, [*steps, *then], replicas=self.replicas_acked
+        )
         out: list[Any] = []
         for p, (call_step, j, xadd) in zip(calls, where, strict=True):
             batch = replies[call_step]
             if isinstance(batch, Exception):
                 raise batch
-            reply = batch[j].split()  # lua/append.lua's words
-            if not p.whole and reply[0] == b"ok" and not isinstance(replies[xadd], bytes):
-                # Accepted, yet its XADD wrote nothing: the log is gone while its snapshot is
-                # not, which nothing here does (ack and expiry take both; see lua/append.lua).
-                raise AssertionError(f"{p.event.rollout_id} #{p.event.seq}: {replies[xadd]!r}")
-            out.append(reply)
+            out.append(_checked(p, batch[j].split(), replies[xadd]))  # lua/append.lua's words
+        return await self._resolved(calls, out), replies[: len(before)]
+
+    async def _run_on_cluster(self, calls: Sequence[_Prepared]) -> list[Any]:
+        """``_run`` on Redis Cluster (``store.cluster_appends``)."""
+        out = [_checked(p, reply, xadd) for p, (reply, xadd) in
+               zip(calls, await cluster_appends.run(self, calls), strict=True)]  # fmt: skip
+        out = await self._resolved(calls, out)
+        await cluster_appends.deliver_ended(self, calls, out)
+        return out
+
+    async def _resolved(self, calls: Sequence[_Prepared], out: list[Any]) -> list[Any]:
+        """``out`` with each "taken" reply resolved into "dup" (the stored record is the
+        caller's) or the refusal it carries."""
         taken = [i for i, reply in enumerate(out) if reply[0] == b"taken"]
         if taken:
             # Entries at or below the snapshot's seq never change (only whole rollouts are
@@ -243,7 +266,7 @@ class EventStore:
             for i, entries in zip(taken, found, strict=True):
                 same = len(entries) == 1 and entries[0][1].get(b"e") == calls[i].record
                 out[i] = [b"dup"] if same else out[i][1:]
-        return out, replies[: len(before)]
+        return out
 
     def prepare(
         self, state: RolloutState | None, event: Event, *, after: bytes | None = None
@@ -280,6 +303,11 @@ class EventStore:
     # -- reads --------------------------------------------------------------------------------
     async def load(self, rollout_id: str) -> RolloutState:
         """The current state, from the snapshot; token data from the log's token records."""
+        if self.cluster:
+            result = (await self.load_many([rollout_id]))[0]
+            if isinstance(result, Exception):
+                raise result
+            return result
         async with self.redis.pipeline(transaction=True) as pipe:
             # One MULTI so the head and the log are read at the same instant.
             pipe.hget(self.keys.snapshot(rollout_id), HEAD)
@@ -291,14 +319,17 @@ class EventStore:
         """``load`` of many rollouts in one round trip; each result is the state or that
         rollout's own error (not found, unreadable), so one bad rollout spoils only itself.
         One MULTI, so every head is read at the same instant as its log, as in ``load``."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for rid in rollout_ids:
-                pipe.hget(self.keys.snapshot(rid), HEAD)
-                pipe.xrange(self.keys.log(rid))
-            replies = await pipe.execute(raise_on_error=False)
+        if self.cluster:
+            pairs = await cluster_appends.load_many(self, rollout_ids)
+        else:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for rid in rollout_ids:
+                    pipe.hget(self.keys.snapshot(rid), HEAD)
+                    pipe.xrange(self.keys.log(rid))
+                replies = await pipe.execute(raise_on_error=False)
+            pairs = list(zip(replies[::2], replies[1::2], strict=True))
         out: list[RolloutState | Exception] = []
-        for i, rid in enumerate(rollout_ids):
-            head, entries = replies[2 * i], replies[2 * i + 1]
+        for rid, (head, entries) in zip(rollout_ids, pairs, strict=True):
             try:
                 for reply in (head, entries):
                     if isinstance(reply, Exception):
@@ -416,6 +447,14 @@ class EventStore:
     async def exists(self, rollout_id: str) -> bool:
         found: int = await self.redis.hexists(self.keys.snapshot(rollout_id), HEAD)  # type: ignore[misc]
         return bool(found)
+
+
+def _checked(p: _Prepared, reply: list[bytes], xadd: Any) -> list[bytes]:
+    if not p.whole and reply[0] == b"ok" and not isinstance(xadd, bytes):
+        # Accepted, yet its XADD wrote nothing: the log is gone while its snapshot is not,
+        # which nothing here does (ack and expiry take both; see lua/append.lua).
+        raise AssertionError(f"{p.event.rollout_id} #{p.event.seq}: {xadd!r}")
+    return reply
 
 
 def _refusal(reply: Any, event: Event) -> AppendRefused | None:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from store.errors import InvalidRolloutId, InvalidSessionId
+from store.slots import slot_tag
 
 DEFAULT_NAMESPACE = "dr"
 MAX_ID_LEN = 200
@@ -200,6 +201,23 @@ class Keys:
     def stats(self) -> str:
         """Counters kept by the appends themselves: rollouts by state, tokens generated."""
         return f"{self.namespace}:stats"
+
+    def slot_counters(self, slot: int) -> str:
+        """On Redis Cluster, ``stats`` split by slot: the counters the appends of one slot's
+        rollouts keep (in that slot, so the append script may), summed on read."""
+        return f"{self.namespace}:stats:{{{slot_tag(slot)}}}"
+
+    def slot_outbox(self, slot: int) -> str:
+        """On Redis Cluster, the rollouts of one slot that ended and whose completion is not
+        in their batch's stream yet (a sorted set: rollout id -> when it ended, unix ms),
+        written by the append that ended them (``store.outbox``)."""
+        return f"{self.namespace}:outbox:{{{slot_tag(slot)}}}"
+
+    def completion_ids(self, batch_id: str) -> str:
+        """On Redis Cluster, the completions delivered to a batch's stream (a hash: rollout
+        id -> entry id), in the batch's slot: what makes a delivery repeated after a crash
+        land once (``store.outbox``)."""
+        return f"{self.completions(batch_id)}:ids"
 
     def workers(self) -> str:
         """Live workers' heartbeats (worker id -> their in-flight count, weights, time)."""

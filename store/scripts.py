@@ -32,7 +32,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ExecAbortError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from store.errors import ReplicasNotAcked
+
 Arg = int | str | bytes
+# How long an acknowledged write waits for its replicas (``WAIT``) before it is refused.
+REPLICA_WAIT_MS = 1000
 
 
 @cache
@@ -110,7 +114,7 @@ class Call:
 Step = Call | tuple[Arg, ...]  # a script call, or a plain command as execute_command takes it
 
 
-async def transaction(client: Redis, steps: Sequence[Step]) -> list[Any]:
+async def transaction(client: Redis, steps: Sequence[Step], *, replicas: int = 0) -> list[Any]:
     """Run ``steps`` in one MULTI/EXEC; one reply per step, in order, an error as its exception
     object (EXEC runs every command, and one failing does not undo the others).
 
@@ -118,10 +122,13 @@ async def transaction(client: Redis, steps: Sequence[Step]) -> list[Any]:
     with the scripts by their text. That is safe only because a script that did not run let
     no plain step of its transaction do anything (a script that would is sent ``by_text``
     always), and every script here recognises a repeat.
+
+    ``replicas``: the transaction counts as done once that many replicas confirm it (``WAIT``
+    on its connection, ``REPLICA_WAIT_MS`` at most), else ``ReplicasNotAcked`` is raised.
     """
-    replies = await _transaction(client, steps, by_text=False)
+    replies = await _transaction(client, steps, by_text=False, replicas=replicas)
     if any(isinstance(r, NoScriptError) for r in replies):
-        replies = await _transaction(client, steps, by_text=True)
+        replies = await _transaction(client, steps, by_text=True, replicas=replicas)
     return replies
 
 
@@ -129,7 +136,9 @@ _MULTI = hiredis.pack_command(("MULTI",))
 _EXEC = hiredis.pack_command(("EXEC",))
 
 
-async def _transaction(client: Redis, steps: Sequence[Step], *, by_text: bool) -> list[Any]:
+async def _transaction(
+    client: Redis, steps: Sequence[Step], *, by_text: bool, replicas: int
+) -> list[Any]:
     """redis-py's transaction pipeline, minus its per-command Python: commands packed by
     hiredis, replies read without response callbacks (a checkpoint of 64 rollouts is ~130
     commands; this took a quarter to a third off the client's CPU per append, measured).
@@ -142,30 +151,35 @@ async def _transaction(client: Redis, steps: Sequence[Step], *, by_text: bool) -
             step = (*script.invocation(by_text=by_text), len(step.keys), *step.keys, *step.args)
         packed.append(hiredis.pack_command(step))  # type: ignore[arg-type]
     packed.append(_EXEC)
+    if replicas:
+        packed.append(hiredis.pack_command(("WAIT", replicas, REPLICA_WAIT_MS)))  # type: ignore[arg-type]
     pool = client.connection_pool
     conn = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
         return await conn.retry.call_with_retry(  # type: ignore[no-any-return]
-            lambda: _exchange(conn, packed, len(steps)), lambda error: conn.disconnect()
+            lambda: _exchange(conn, packed, len(steps), replicas), lambda error: conn.disconnect()
         )
     finally:
         await pool.release(conn)
 
 
-async def _exchange(conn: Any, packed: list[bytes], n: int) -> list[Any]:
+async def _exchange(conn: Any, packed: list[bytes], n: int, replicas: int) -> list[Any]:
     await conn.send_packed_command(packed)
     await conn.read_response()  # MULTI's OK
-    refused = await _queued(conn, n)
+    refused = await read_queued(conn, n)
     try:
         replies = await conn.read_response()
-    except ExecAbortError:
-        if refused:
-            raise refused[0] from None
-        raise
+    except ExecAbortError as exc:
+        if replicas:
+            await conn.read_response()  # WAIT's, so that the connection is left clean
+        raise (refused[0] if refused else exc) from None
+    acked = int(await conn.read_response()) if replicas else 0
+    if acked < replicas:
+        raise ReplicasNotAcked(f"{conn.host}:{conn.port}", replicas, acked)
     return list(replies)
 
 
-async def _queued(conn: Any, n: int) -> list[ResponseError]:
+async def read_queued(conn: Any, n: int) -> list[ResponseError]:
     """The n QUEUED replies, read from the connection's parser under one deadline for all.
     redis-py's ``read_response`` opens an asyncio timeout per reply, and a worker's checkpoint
     of 256 rollouts is ~770 replies: 6.9 us of client CPU per reply that way, 1.2-1.9 this

@@ -1,12 +1,18 @@
 -- Append events to rollouts' logs and update their snapshots, in one atomic step.
 --
--- KEYS[1]    the deployment's counters (a hash: rollouts by state, tokens)
+-- KEYS[1]    the deployment's counters (a hash: rollouts by state, tokens); on Redis Cluster,
+--            the counters of the events' slot (every event of a call is in that slot)
+-- ARGV[1]    where a terminal event's completion goes: "" to its batch's stream (KEYS[k+2],
+--            KEYS[k+3] below), or "outbox" on Redis Cluster, where the batch's keys are in
+--            another slot: KEYS[k+2] is then the slot's outbox (a sorted set: rollout id ->
+--            when it ended, unix ms), KEYS[k+3] is not read, and store/outbox.py delivers the
+--            completion and starts the retention clock (the batch's record holds its TTL)
 -- then per event i (from 0), with k = 2 + 4i:
 -- KEYS[k]    its rollout's log (a stream; entry id 0-<seq>, one field "e" = the event record)
 -- KEYS[k+1]  its rollout's snapshot (a hash: seq, live, st, head, cid, job)
 -- KEYS[k+2]  the completion stream of the rollout's batch
 -- KEYS[k+3]  the rollout's batch record (a hash; its field "ttl" is the retention in seconds)
--- ARGV per event i, with a = 9i:
+-- ARGV per event i, with a = 1 + 9i:
 -- ARGV[a+1]  seq of the event (integer >= 1); must be the snapshot's seq + 1
 -- ARGV[a+2]  fence: the attempt that must be live for this write, or "" for no fence
 -- ARGV[a+3]  the encoded event record (opaque bytes), or "" for a header (below)
@@ -71,8 +77,9 @@ local function count(field, n)
   counts[field] = (counts[field] or 0) + n
 end
 
-for i = 0, (#ARGV / 9) - 1 do
-  local k, a = 2 + 4 * i, 9 * i
+local outbox = ARGV[1] == 'outbox'
+for i = 0, ((#ARGV - 1) / 9) - 1 do
+  local k, a = 2 + 4 * i, 1 + 9 * i
   local log, snapkey = KEYS[k], KEYS[k + 1]
   local seq = tonumber(ARGV[a + 1])
   local fence, record, status, prev = ARGV[a + 2], ARGV[a + 3], ARGV[a + 6], ARGV[a + 9]
@@ -125,7 +132,10 @@ for i = 0, (#ARGV / 9) - 1 do
       count(status, 1)
     end
     count('tokens', tonumber(ARGV[a + 7]))
-    if status == 'done' or status == 'failed' or status == 'cancelled' then
+    if outbox and (status == 'done' or status == 'failed' or status == 'cancelled') then
+      local now = redis.call('TIME')
+      redis.call('ZADD', KEYS[k + 2], 'NX', now[1] * 1000 + math.floor(now[2] / 1000), ARGV[a + 8])
+    elseif status == 'done' or status == 'failed' or status == 'cancelled' then
       local done = KEYS[k + 2]
       redis.call('HSET', snapkey, 'cid', redis.call('XADD', done, '*', 'r', ARGV[a + 8],
         's', status))

@@ -1,0 +1,44 @@
+"""Fixtures of the cluster tests: one Redis Cluster (3 masters, 3 replicas, each node its own
+redis-server and directory on loopback) per test process, shared by the tests that do not
+harm it; those that kill or reshape nodes start their own. Every cluster test is in one xdist
+group, so a CI run starts one shared cluster, not one per process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from redis.asyncio.cluster import RedisCluster as ClusterClient
+
+from store import EventStore
+from store.connection import connect_cluster
+from store.redis_cluster import RedisCluster
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/cluster/" in item.nodeid:
+            item.add_marker(pytest.mark.redis_server)
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    with RedisCluster(tmp_path_factory.mktemp("cluster"), node_timeout_ms=1000) as c:
+        yield c
+
+
+@pytest.fixture
+async def cluster_client(cluster: RedisCluster) -> AsyncIterator[ClusterClient]:
+    """A client of the shared cluster, every master emptied for the test."""
+    client = connect_cluster(cluster.url)
+    await client.initialize()
+    await client.flushall(target_nodes=ClusterClient.PRIMARIES)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def store(cluster_client: ClusterClient) -> EventStore:
+    """The event store on the cluster (what tests/store/test_event_store_contract.py takes)."""
+    return EventStore(cluster_client)

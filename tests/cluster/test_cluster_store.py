@@ -1,0 +1,144 @@
+"""What the event store does on Redis Cluster beyond its contract: a checkpoint of many
+rollouts costs one round trip per master; completions reach their batch's stream through the
+slot's outbox, once, even when the appender dies in between; the counters are kept per slot
+and summed; replica acknowledgement (``WAIT``) is asked per master and refused when short."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from redis.asyncio.cluster import RedisCluster as ClusterClient
+from redis.asyncio.connection import Connection
+
+from statemachine import Membership, RolloutState, Status, apply
+from store import EventStore, cluster_appends, outbox
+from store.errors import ReplicasNotAcked
+from store.slot_counters import summed
+from store.slots import key_slot
+from tests import factories as f
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[int]]:
+    """Packed writes sent, by the port of the node they went to."""
+    sent: Counter[int] = Counter()
+    original = Connection.send_packed_command
+
+    async def counted(self: Connection, command: Any, check_health: bool = True) -> None:
+        sent[int(self.port)] += 1
+        await original(self, command, check_health)
+
+    monkeypatch.setattr(Connection, "send_packed_command", counted)
+    yield sent
+
+
+async def generating(store: EventStore, n: int, batch: str = "b1") -> list[RolloutState]:
+    out = []
+    for i in range(n):
+        sub = replace(
+            f.submitted(f"{batch}.{i}.0", max_tokens=8), membership=Membership(batch_id=batch)
+        )
+        s = await store.append(None, sub)
+        out.append(await store.append(s, f.started(s)))
+    return out
+
+
+def masters_of(store: EventStore, states: list[RolloutState]) -> set[str]:
+    assert store.on_cluster is not None
+    nodes = store.on_cluster.nodes_manager
+    return {nodes.get_node_from_slot(key_slot(store.keys.snapshot(s.rollout_id).encode())).name
+            for s in states}  # fmt: skip
+
+
+async def test_a_checkpoint_of_64_rollouts_is_one_round_trip_per_master(
+    store: EventStore, writes: Counter[int]
+) -> None:
+    states = await generating(store, 64)
+    assert len(masters_of(store, states)) == 3  # 64 rollouts land on every master
+    writes.clear()
+    results = await store.append_many([(s, [f.tokens(s, n=4)]) for s in states])
+    assert all(isinstance(r, RolloutState) and r.num_tokens == 4 for r in results)
+    assert sorted(writes.values()) == [1, 1, 1], writes
+    loaded = await store.load_many([s.rollout_id for s in states])
+    assert loaded == results
+
+
+async def test_completions_reach_their_batch_once_through_the_outbox(
+    store: EventStore, cluster_client: ClusterClient
+) -> None:
+    await cluster_client.hset(store.keys.batch("b1"), "ttl", 600)
+    states = await generating(store, 12)
+    chains = []
+    for s in states:
+        chunk = f.tokens(s, n=8)
+        chains.append((s, [chunk, f.finished(apply(s, chunk))]))
+    done = await store.append_many(chains)
+    assert all(isinstance(d, RolloutState) and d.status is Status.DONE for d in done)
+    entries = await cluster_client.xrange(store.keys.completions("b1"))
+    assert sorted(e[1][b"r"].decode() for e in entries) == sorted(s.rollout_id for s in states)
+    for eid, fields in entries:
+        snap = store.keys.snapshot(fields[b"r"].decode())
+        assert await cluster_client.hget(snap, "cid") == eid  # what an ack removes
+        assert 0 < await cluster_client.ttl(snap) <= 600  # the retention clock started
+    assert await outbox.pending(cluster_client, store.keys, older_than_ms=-60_000) == []
+
+
+async def test_an_appender_dead_before_delivery_leaves_it_to_the_sweep(
+    store: EventStore, cluster_client: ClusterClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (s,) = await generating(store, 1)
+    s = await store.append(s, f.tokens(s, n=8))
+
+    async def dies(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the appender died here")
+
+    monkeypatch.setattr(cluster_appends, "deliver", dies)
+    ended = await store.append(s, f.finished(s))
+    assert ended.status is Status.DONE  # the end is stored: only its delivery waits
+    done_key = store.keys.completions("b1")
+    assert await cluster_client.xlen(done_key) == 0
+    left = await outbox.pending(cluster_client, store.keys, older_than_ms=-60_000)
+    assert [rid for _, rid in left] == [s.rollout_id]
+    assert await outbox.sweep(store, older_than_ms=5_000) == 0  # its appender's, for now
+    assert await outbox.sweep(store, older_than_ms=-60_000) == 1
+    assert await outbox.sweep(store, older_than_ms=-60_000) == 0
+    # A deliverer that had not died after all delivers again: still one entry.
+    await outbox.deliver(cluster_client, store.keys, [outbox.Ended(s.rollout_id, "b1", "done")])
+    (entry,) = await cluster_client.xrange(done_key)
+    assert entry[1] == {b"r": s.rollout_id.encode(), b"s": b"done"}
+    assert await cluster_client.hget(store.keys.snapshot(s.rollout_id), "cid") == entry[0]
+
+
+async def test_counters_are_kept_per_slot_and_summed(store: EventStore) -> None:
+    states = await generating(store, 40)
+    results = await store.append_many([(s, [f.tokens(s, n=3)]) for s in states[:30]])
+    await store.append_many([(r, [f.finished(r)]) for r in results[:10]])  # type: ignore[misc]
+    counts = await summed(store.on_cluster, store.keys)  # type: ignore[arg-type]
+    assert counts["tokens"] == 90
+    assert counts["generating"] == 30 and counts["done"] == 10 and counts.get("pending", 0) == 0
+    # Spread over every master, as the rollouts are.
+    found = [k async for k in store.redis.scan_iter(match="dr:stats:*")]
+    slots = {key_slot(k) for k in found}
+    assert len(masters_of(store, states)) == 3 and len(slots) > 20
+
+
+async def test_replica_acks_are_asked_per_master_and_refused_when_short(
+    cluster_client: ClusterClient,
+) -> None:
+    acked = EventStore(cluster_client, replicas_acked=1)
+    states = await generating(acked, 16)  # every master has its one replica: confirmed
+    assert all(s.status is Status.GENERATING for s in states)
+    greedy = EventStore(cluster_client, replicas_acked=2)  # more replicas than there are
+    chunk = f.tokens(states[0], n=2)
+    t0 = time.monotonic()
+    with pytest.raises(ReplicasNotAcked, match="1 of 2 replicas"):
+        await greedy.append(states[0], chunk)
+    assert time.monotonic() - t0 >= 0.9  # it waited for them (WAIT's 1 s)
+    # Applied on the master though: a retry is recognised, as after any failed append.
+    again = await acked.append(states[0], chunk)
+    assert (await acked.load(states[0].rollout_id)) == again and again.num_tokens == 2
