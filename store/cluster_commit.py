@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,9 @@ from store.errors import ReplicasNotAcked
 _ELSEWHERE = (AskError, TryAgainError, ClusterDownError, SlotNotCoveredError)
 # The master itself unreachable (killed, restarting, loading its data): the same, after a wait.
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# Blocks sent again, by the name of what sent them (MovedError, AskError, ConnectionError...):
+# for a process's metrics, and for the tests to see a migration or a failover met.
+resent: Counter[str] = Counter()
 _MULTI = hiredis.pack_command(("MULTI",))
 _EXEC = hiredis.pack_command(("EXEC",))
 
@@ -97,6 +101,7 @@ async def commit(
             except SlotNotCoveredError as exc:
                 again.append(i)
                 last = exc
+                resent[type(exc).__name__] += 1
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(i)
         rounds = [
@@ -109,6 +114,7 @@ async def commit(
             if isinstance(result, _UNREACHABLE):
                 again += idx
                 last = result
+                resent[type(result).__name__] += len(idx)
             elif isinstance(result, BaseException):
                 raise result
             else:
@@ -116,6 +122,7 @@ async def commit(
                     if isinstance(reply, _Again):
                         again.append(i)
                         last = reply.__cause__
+                        resent[type(last).__name__] += 1
                     else:
                         out[i] = reply
         if not again:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +23,7 @@ from tests import factories as f
 
 
 @pytest.fixture
-def writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[int]]:
+def writes(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
     """Packed writes sent, by the port of the node they went to."""
     sent: Counter[int] = Counter()
     original = Connection.send_packed_command
@@ -34,7 +33,7 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[int]]:
         await original(self, command, check_health)
 
     monkeypatch.setattr(Connection, "send_packed_command", counted)
-    yield sent
+    return sent
 
 
 async def generating(store: EventStore, n: int, batch: str = "b1") -> list[RolloutState]:

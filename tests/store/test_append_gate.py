@@ -117,10 +117,12 @@ async def test_the_append_script_never_meets_noscript(
     await store.redis.script_flush()
     first_try = scripts._transaction
 
-    async def dies_before_repeating(client: Any, steps: Any, *, by_text: bool) -> list[Any]:
+    async def dies_before_repeating(
+        client: Any, steps: Any, *, by_text: bool, **kw: Any
+    ) -> list[Any]:
         if by_text:
             raise ConnectionError("the client died before repeating the transaction by text")
-        return await first_try(client, steps, by_text=by_text)
+        return await first_try(client, steps, by_text=by_text, **kw)
 
     monkeypatch.setattr(scripts, "_transaction", dies_before_repeating)
     view = replace(s, seq=ab.seq)
