@@ -113,12 +113,7 @@ def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
     """An asyncio client; ``client_name`` names its connections (``CLIENT SETNAME``, on every
     reconnect too), so that ``CLIENT LIST`` shows an operator whose they are. Its connections
     let a task's cancellation through (``store.cancel_safe``)."""
-    if is_cluster_url(url):
-        raise InvalidRedisUrl(
-            "a Redis Cluster URL (redis+cluster://) holds the event store "
-            "(EventStore(connect_cluster(url))), but workers, the API, the trainer client and "
-            "the ops commands do not run on a cluster yet: give them one Redis (redis://)"
-        )
+    _not_a_cluster(url)
     client = aredis.Redis.from_url(
         url,
         client_name=client_name,
@@ -130,6 +125,15 @@ def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
         **_DRIVER,
     )
     return _pings_answered(keep_cancels(client))
+
+
+def _not_a_cluster(url: str) -> None:
+    if is_cluster_url(url):
+        raise InvalidRedisUrl(
+            "a Redis Cluster URL (redis+cluster://) holds the event store "
+            "(EventStore(connect_cluster(url))), but workers, the API, the trainer client and "
+            "the ops commands do not run on a cluster yet: give them one Redis (redis://)"
+        )
 
 
 def connect_cluster(url: str, *, client_name: str | None = None) -> RedisCluster:
@@ -157,6 +161,7 @@ def connect_cluster(url: str, *, client_name: str | None = None) -> RedisCluster
 
 
 def connect_sync(url: str) -> redis.Redis:
+    _not_a_cluster(url)
     return _pings_answered(
         redis.Redis.from_url(
             url,

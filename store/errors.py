@@ -123,13 +123,18 @@ class StoreUnwritable(StoreError):
         self.detail = detail  # Redis's own words
 
 
-class ReplicasNotAcked(StoreError):
+class ReplicasNotAcked(StoreUnwritable):
     """A write its master applied that fewer replicas than asked (``--min-replicas-acked``)
-    confirmed within the timeout (``WAIT``). It does not count as saved: a failover now could
-    lose it. Retry it as it was (a repeated append is recognised, never applied twice)."""
+    confirmed within the timeout (``WAIT``): it does not count as saved, since a failover
+    now could lose it. Unlike the other refusals it may have been applied; it is handled the
+    same way, since the same write sent again is recognised (an append already stored is a
+    ``dup``) and succeeds once the replicas answer: a worker keeps its tokens and retries."""
 
     def __init__(self, node: str, wanted: int, acked: int) -> None:
-        super().__init__(f"{acked} of {wanted} replicas of {node} confirmed the write in time")
+        super().__init__(
+            Refusal.NOREPLICAS,
+            f"{acked} of {wanted} replicas of {node} confirmed the write in time",
+        )
         self.node, self.wanted, self.acked = node, wanted, acked
 
 

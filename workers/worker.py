@@ -88,6 +88,9 @@ class WorkerConfig:
     prefetch_tokens: int = defaults.PREFETCH_TOKENS
     # How often some reaper of the fleet checks for rollouts left waiting with no job.
     stranded_check_s: float = defaults.STRANDED_CHECK_S
+    # A checkpoint counts as saved once this many replicas confirm it (WAIT; 0: once Redis
+    # has it). Short, it is retried like a write Redis refuses: tokens kept, none sent twice.
+    min_replicas_acked: int = 0
 
 
 class Worker:
@@ -143,7 +146,7 @@ class Worker:
     async def run(self) -> Stats:
         cfg = self.config
         client = connect(cfg.redis_url)
-        store = EventStore(client)
+        store = EventStore(client, replicas_acked=cfg.min_replicas_acked)
         checkpointer = self.checkpointer = Checkpointer(store, condition=self.condition)
         checkpointer.observe = self.metrics.checkpoint_seconds.observe
         # Its leases are also listed under its name: found at once if its process dies.

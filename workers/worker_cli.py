@@ -129,6 +129,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"{defaults.MAX_WORKER_LOST})",
     )
     parser.add_argument(
+        "--min-replicas-acked",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="count a checkpoint saved only once N replicas of its Redis confirm it (WAIT, 1 s "
+        "at most); until they do it is retried, the tokens kept: a failover then loses no "
+        "acknowledged token. 0: saved once the master has it (default %(default)s)",
+    )
+    parser.add_argument(
         "--lease-ttl",
         type=float,
         default=defaults.LEASE_TTL_S,
@@ -234,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         model_id=args.model_id,
         stepped=None if args.engine_steps else False,
+        min_replicas_acked=args.min_replicas_acked,
         **extra,
     )
     worker = Worker(config, engine, metrics)
@@ -292,6 +302,16 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free one), got {port}")
     return port
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a count of replicas is a number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a count of replicas is 0 or more, got {n}")
+    return n
 
 
 def _refuse(message: str) -> int:

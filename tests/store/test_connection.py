@@ -145,3 +145,16 @@ def test_a_bad_url_file_is_refused_without_echoing_it(tmp_path: Path, content: s
     with pytest.raises(errors.InvalidRedisUrl, match="redis-url") as info:
         connection.resolve_url(None, path, {})
     assert "redis://" not in str(info.value)
+
+
+def test_a_cluster_url_is_refused_where_one_redis_is_needed_and_says_why() -> None:
+    from store.connection import connect, connect_cluster, connect_sync
+
+    url = "redis+cluster://u:secret@127.0.0.1:7000,127.0.0.1:7001"
+    for make in (connect, connect_sync):
+        with pytest.raises(errors.InvalidRedisUrl, match="do not run on a cluster yet") as refused:
+            make(url)
+        assert "secret" not in str(refused.value)
+    with pytest.raises(errors.InvalidRedisUrl, match="host:port pairs") as bad:
+        connect_cluster("redis+cluster://u:secret@127.0.0.1")
+    assert "secret" not in str(bad.value)
