@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
 from store import scripts
 from store.cluster_commit import Block, commit
 from store.errors import StoreError
+from store.keys import Keys
 from store.log_reads import HEAD
 from store.outbox import Ended, deliver
 from store.prepared import _Prepared
 from store.slots import key_slot
-
-if TYPE_CHECKING:
-    from store.event_store import EventStore
 
 _TERMINAL = ("done", "failed", "cancelled")
 log = logging.getLogger("rollouts.cluster")
@@ -37,11 +35,6 @@ class ClusterUnsupported(StoreError, NotImplementedError):
     """An operation the store does not offer on Redis Cluster yet (docs/cluster-plan.md)."""
 
 
-def _client(store: EventStore) -> RedisCluster:
-    assert store.on_cluster is not None
-    return store.on_cluster
-
-
 def check_supported(calls: Sequence[_Prepared], steps: Sequence[scripts.Step]) -> None:
     if steps:
         raise ClusterUnsupported("a caller's steps in an append's transaction, on Redis Cluster")
@@ -49,7 +42,9 @@ def check_supported(calls: Sequence[_Prepared], steps: Sequence[scripts.Step]) -
         raise ClusterUnsupported("episodes (their tool-call indexes span slots), on Redis Cluster")
 
 
-async def run(store: EventStore, calls: Sequence[_Prepared]) -> list[tuple[list[Any], Any]]:
+async def run(
+    client: RedisCluster, keys: Keys, replicas: int, calls: Sequence[_Prepared]
+) -> list[tuple[list[Any], Any]]:
     """Every append of ``calls``, a slot's in one MULTI/EXEC; per call, lua/append.lua's reply
     words and its XADD's reply (None for a whole record)."""
     by_slot: dict[int, list[int]] = {}
@@ -68,13 +63,13 @@ async def run(store: EventStore, calls: Sequence[_Prepared]) -> list[tuple[list[
             if n == len(rounds):
                 rounds.append([])
             rounds[n].append(i)
-        outbox = store.keys.slot_outbox(slot)
+        outbox = keys.slot_outbox(slot)
         for round_ in rounds:
-            keys: list[str] = [store.keys.slot_counters(slot)]
+            script_keys: list[str] = [keys.slot_counters(slot)]
             args: list[scripts.Arg] = ["outbox"]
             for j, i in enumerate(round_):
                 log, snap = calls[i].keys[:2]
-                keys += (log, snap, outbox, snap)
+                script_keys += (log, snap, outbox, snap)
                 args += calls[i].script_args()
                 xadd = None
                 if not calls[i].whole:
@@ -82,12 +77,12 @@ async def run(store: EventStore, calls: Sequence[_Prepared]) -> list[tuple[list[
                     steps += calls[i].ahead()
                 where[i] = (len(blocks), -1, xadd, j)
             call_step = len(steps)
-            steps.append(scripts.Call(scripts.APPEND, keys, args))
+            steps.append(scripts.Call(scripts.APPEND, script_keys, args))
             for i in round_:
                 b, _, xadd, j = where[i]
                 where[i] = (b, call_step, xadd, j)
         blocks.append(Block(slot, steps))
-    replies = await commit(_client(store), blocks, replicas=store.replicas_acked)
+    replies = await commit(client, blocks, replicas=replicas)
     out: list[tuple[list[Any], Any]] = []
     for b, call_step, xadd, j in where:
         block = replies[b]
@@ -100,17 +95,19 @@ async def run(store: EventStore, calls: Sequence[_Prepared]) -> list[tuple[list[
     return out
 
 
-async def load_many(store: EventStore, rollout_ids: Sequence[str]) -> list[tuple[Any, Any]]:
+async def load_many(
+    client: RedisCluster, keys: Keys, rollout_ids: Sequence[str]
+) -> list[tuple[Any, Any]]:
     """Each rollout's snapshot head and log, read in one MULTI (one instant) per rollout, one
     round trip per master: (head, entries) as redis-py's own reads give them, or an error."""
     blocks = []
     for rid in rollout_ids:
-        log, snap = store.keys.rollout(rid)
+        log, snap = keys.rollout(rid)
         blocks.append(
             Block(key_slot(snap.encode()), (("HGET", snap, HEAD), ("XRANGE", log, "-", "+")))
         )
     out: list[tuple[Any, Any]] = []
-    for replies in await commit(_client(store), blocks):
+    for replies in await commit(client, blocks):
         if isinstance(replies, Exception):
             out.append((replies, replies))
             continue
@@ -122,7 +119,11 @@ async def load_many(store: EventStore, rollout_ids: Sequence[str]) -> list[tuple
 
 
 async def deliver_ended(
-    store: EventStore, calls: Sequence[_Prepared], replies: Sequence[list[Any]]
+    client: RedisCluster,
+    keys: Keys,
+    replicas: int,
+    calls: Sequence[_Prepared],
+    replies: Sequence[list[Any]],
 ) -> None:
     """The completions of the rollouts ``calls`` ended (their append ``ok``, or a ``dup``: a
     repeat whose first delivery may not have run), delivered (``store.outbox``). One that
@@ -133,6 +134,6 @@ async def deliver_ended(
         if reply[0] in (b"ok", b"dup") and p.state.status.value in _TERMINAL
     ]
     try:
-        await deliver(_client(store), store.keys, ended, replicas=store.replicas_acked)
+        await deliver(client, keys, ended, replicas=replicas)
     except Exception as exc:
         log.warning("completions of %d rollouts left to the outbox sweep: %r", len(ended), exc)

@@ -30,7 +30,6 @@ from statemachine import (
     FailureClass,
     RolloutState,
     Status,
-    Submitted,
     TokensAppended,
     apply,
     codec,
@@ -40,12 +39,9 @@ from statemachine import (
 from statemachine.episode_events import ToolEvent
 from statemachine.errors import CorruptRecord, TransitionError
 from store import cluster_appends, defaults, scripts
+from store.append_replies import checked, refusal, resolve_taken
 from store.errors import (
-    AppendRefused,
-    RolloutExists,
     RolloutNotFound,
-    SequenceConflict,
-    StaleAttempt,
 )
 from store.keys import Keys
 from store.log_reads import (
@@ -99,7 +95,7 @@ class EventStore:
         (None for a new rollout) and return the state after it."""
         p = self.prepare(state, event)
         (reply,), _ = await self._run([p])
-        error = _refusal(reply, p.event)
+        error = refusal(reply, p.event)
         if error is not None:
             raise error
         return p.state
@@ -123,7 +119,7 @@ class EventStore:
             after = p.state
         replies, _ = await self._run(prepared, then=then, tool_lease_s=tool_lease_s)
         for p, reply in zip(prepared, replies, strict=True):
-            error = _refusal(reply, p.event)
+            error = refusal(reply, p.event)
             if error is not None:
                 raise error
         return prepared[-1].state
@@ -180,7 +176,7 @@ class EventStore:
                 results[k] = reply
         for i, (start, end) in enumerate(spans):
             for p, reply in zip(calls[start:end], replies[start:end], strict=True):
-                error = _refusal(reply, p.event)
+                error = refusal(reply, p.event)
                 if error is not None and not isinstance(results[i], Exception):
                     results[i] = error
                     break
@@ -240,32 +236,17 @@ class EventStore:
             batch = replies[call_step]
             if isinstance(batch, Exception):
                 raise batch
-            out.append(_checked(p, batch[j].split(), replies[xadd]))  # lua/append.lua's words
-        return await self._resolved(calls, out), replies[: len(before)]
+            out.append(checked(p, batch[j].split(), replies[xadd]))  # lua/append.lua's words
+        return await resolve_taken(self.redis, calls, out), replies[: len(before)]
 
     async def _run_on_cluster(self, calls: Sequence[_Prepared]) -> list[Any]:
         """``_run`` on Redis Cluster (``store.cluster_appends``)."""
-        out = [_checked(p, reply, xadd) for p, (reply, xadd) in
-               zip(calls, await cluster_appends.run(self, calls), strict=True)]  # fmt: skip
-        out = await self._resolved(calls, out)
-        await cluster_appends.deliver_ended(self, calls, out)
-        return out
-
-    async def _resolved(self, calls: Sequence[_Prepared], out: list[Any]) -> list[Any]:
-        """``out`` with each "taken" reply resolved into "dup" (the stored record is the
-        caller's) or the refusal it carries."""
-        taken = [i for i, reply in enumerate(out) if reply[0] == b"taken"]
-        if taken:
-            # Entries at or below the snapshot's seq never change (only whole rollouts are
-            # deleted), so comparing after the transaction is as good as inside it.
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for i in taken:
-                    entry = f"0-{calls[i].event.seq}"
-                    pipe.xrange(calls[i].keys[0], entry, entry)
-                found = await pipe.execute()
-            for i, entries in zip(taken, found, strict=True):
-                same = len(entries) == 1 and entries[0][1].get(b"e") == calls[i].record
-                out[i] = [b"dup"] if same else out[i][1:]
+        assert self.on_cluster is not None
+        sent = await cluster_appends.run(self.on_cluster, self.keys, self.replicas_acked, calls)
+        out = [checked(p, reply, xadd) for p, (reply, xadd) in zip(calls, sent, strict=True)]
+        out = await resolve_taken(self.redis, calls, out)
+        await cluster_appends.deliver_ended(self.on_cluster, self.keys, self.replicas_acked,
+                                            calls, out)  # fmt: skip
         return out
 
     def prepare(
@@ -320,7 +301,8 @@ class EventStore:
         rollout's own error (not found, unreadable), so one bad rollout spoils only itself.
         One MULTI, so every head is read at the same instant as its log, as in ``load``."""
         if self.cluster:
-            pairs = await cluster_appends.load_many(self, rollout_ids)
+            assert self.on_cluster is not None
+            pairs = await cluster_appends.load_many(self.on_cluster, self.keys, rollout_ids)
         else:
             async with self.redis.pipeline(transaction=True) as pipe:
                 for rid in rollout_ids:
@@ -447,25 +429,3 @@ class EventStore:
     async def exists(self, rollout_id: str) -> bool:
         found: int = await self.redis.hexists(self.keys.snapshot(rollout_id), HEAD)  # type: ignore[misc]
         return bool(found)
-
-
-def _checked(p: _Prepared, reply: list[bytes], xadd: Any) -> list[bytes]:
-    if not p.whole and reply[0] == b"ok" and not isinstance(xadd, bytes):
-        # Accepted, yet its XADD wrote nothing: the log is gone while its snapshot is not,
-        # which nothing here does (ack and expiry take both; see lua/append.lua).
-        raise AssertionError(f"{p.event.rollout_id} #{p.event.seq}: {xadd!r}")
-    return reply
-
-
-def _refusal(reply: Any, event: Event) -> AppendRefused | None:
-    status = reply[0]
-    if status in (b"ok", b"dup"):
-        return None
-    if status == b"stale":
-        return StaleAttempt(event.rollout_id, event.seq, fence_of(event) or 0, int(reply[1]))
-    if status == b"conflict":
-        current = int(reply[1])
-        if isinstance(event, Submitted):
-            return RolloutExists(event.rollout_id, event.seq, current)
-        return SequenceConflict(event.rollout_id, event.seq, current)
-    raise AssertionError(f"append.lua returned {reply!r}")  # the script has no other replies

@@ -14,20 +14,17 @@ sweep) when the rollout has ended and its batch's stream does not show it yet.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from redis.asyncio.cluster import RedisCluster
 
+from statemachine import RolloutState
 from store import scripts
 from store.cluster_commit import Block, commit
 from store.errors import RolloutNotFound
 from store.keys import Keys
 from store.slots import SLOTS, key_slot
-
-if TYPE_CHECKING:
-    from store.event_store import EventStore
 
 DELIVER = scripts.Script("deliver_completion")
 DELIVERED = scripts.Script("completion_delivered")
@@ -96,19 +93,24 @@ async def pending(
     return [(slot, rid.decode()) for slot, rids in enumerate(found) for rid in rids]
 
 
-async def sweep(store: EventStore, *, older_than_ms: int = SWEEP_AFTER_MS) -> int:
+async def sweep(
+    client: RedisCluster,
+    keys: Keys,
+    head: Callable[[str], Awaitable[RolloutState]],
+    *,
+    replicas: int = 0,
+    older_than_ms: int = SWEEP_AFTER_MS,
+) -> int:
     """Deliver what appenders left in the outboxes (they died between the append and the
-    delivery); the number delivered. ``store``: an ``EventStore`` on the cluster. A rollout
-    gone meanwhile (acknowledged, expired) just leaves its outbox."""
-    client = store.on_cluster
-    assert client is not None
+    delivery); the number delivered. ``head``: the store's ``EventStore.head`` (a rollout's
+    status and batch). A rollout gone meanwhile (acknowledged, expired) leaves its outbox."""
     ended: list[Ended] = []
-    for slot, rid in await pending(client, store.keys, older_than_ms=older_than_ms):
+    for slot, rid in await pending(client, keys, older_than_ms=older_than_ms):
         try:
-            state = await store.head(rid)
+            state = await head(rid)
         except RolloutNotFound:
-            await client.zrem(store.keys.slot_outbox(slot), rid)
+            await client.zrem(keys.slot_outbox(slot), rid)
             continue
         ended.append(Ended(rid, state.membership.batch_id, state.status.value))
-    await deliver(client, store.keys, ended, replicas=store.replicas_acked)
+    await deliver(client, keys, ended, replicas=replicas)
     return len(ended)

@@ -103,14 +103,19 @@ async def test_an_appender_dead_before_delivery_leaves_it_to_the_sweep(
     assert await cluster_client.xlen(done_key) == 0
     left = await outbox.pending(cluster_client, store.keys, older_than_ms=-60_000)
     assert [rid for _, rid in left] == [s.rollout_id]
-    assert await outbox.sweep(store, older_than_ms=5_000) == 0  # its appender's, for now
-    assert await outbox.sweep(store, older_than_ms=-60_000) == 1
-    assert await outbox.sweep(store, older_than_ms=-60_000) == 0
+    assert await sweep(store, older_than_ms=5_000) == 0  # its appender's, for now
+    assert await sweep(store, older_than_ms=-60_000) == 1
+    assert await sweep(store, older_than_ms=-60_000) == 0
     # A deliverer that had not died after all delivers again: still one entry.
     await outbox.deliver(cluster_client, store.keys, [outbox.Ended(s.rollout_id, "b1", "done")])
     (entry,) = await cluster_client.xrange(done_key)
     assert entry[1] == {b"r": s.rollout_id.encode(), b"s": b"done"}
     assert await cluster_client.hget(store.keys.snapshot(s.rollout_id), "cid") == entry[0]
+
+
+async def sweep(store: EventStore, *, older_than_ms: int) -> int:
+    assert store.on_cluster is not None
+    return await outbox.sweep(store.on_cluster, store.keys, store.head, older_than_ms=older_than_ms)
 
 
 async def test_counters_are_kept_per_slot_and_summed(store: EventStore) -> None:
