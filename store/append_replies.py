@@ -11,14 +11,14 @@ from typing import Any
 from redis.asyncio import Redis
 
 from statemachine import Event, Submitted, fence_of
-from store.errors import AppendRefused, RolloutExists, SequenceConflict, StaleAttempt
+from store.errors import RolloutExists, SequenceConflict, StaleAttempt
 from store.prepared import _Prepared
 
 
 async def resolve_taken(redis: Redis, calls: Sequence[_Prepared], out: list[Any]) -> list[Any]:
     """``out`` with each "taken" reply resolved into "dup" (the stored record is the caller's)
     or the refusal it carries."""
-    taken = [i for i, reply in enumerate(out) if reply[0] == b"taken"]
+    taken = [i for i, reply in enumerate(out) if isinstance(reply, list) and reply[0] == b"taken"]
     if taken:
         # Entries at or below the snapshot's seq never change (only whole rollouts are
         # deleted), so comparing after the transaction is as good as inside it.
@@ -41,7 +41,11 @@ def checked(p: _Prepared, reply: list[bytes], xadd: Any) -> list[bytes]:
     return reply
 
 
-def refusal(reply: Any, event: Event) -> AppendRefused | None:
+def refusal(reply: Any, event: Event) -> Exception | None:
+    """The error an append's reply stands for (a refusal, or on a cluster the error that kept
+    its transaction from running), None when it landed."""
+    if isinstance(reply, Exception):
+        return reply
     status = reply[0]
     if status in (b"ok", b"dup"):
         return None

@@ -44,9 +44,10 @@ def check_supported(calls: Sequence[_Prepared], steps: Sequence[scripts.Step]) -
 
 async def run(
     client: RedisCluster, keys: Keys, replicas: int, calls: Sequence[_Prepared]
-) -> list[tuple[list[Any], Any]]:
+) -> list[tuple[list[Any], Any] | Exception]:
     """Every append of ``calls``, a slot's in one MULTI/EXEC; per call, lua/append.lua's reply
-    words and its XADD's reply (None for a whole record)."""
+    words and its XADD's reply (None for a whole record), or the error that kept its slot's
+    transaction from running (a master unreachable, replicas short: ``ReplicasNotAcked``)."""
     by_slot: dict[int, list[int]] = {}
     for i, p in enumerate(calls):
         by_slot.setdefault(key_slot(p.keys[1].encode()), []).append(i)
@@ -83,14 +84,15 @@ async def run(
                 where[i] = (b, call_step, xadd, j)
         blocks.append(Block(slot, steps))
     replies = await commit(client, blocks, replicas=replicas)
-    out: list[tuple[list[Any], Any]] = []
+    out: list[tuple[list[Any], Any] | Exception] = []
     for b, call_step, xadd, j in where:
         block = replies[b]
         if isinstance(block, Exception):
-            raise block
+            out.append(block)  # its master's, or its slot's: the other slots' stand
+            continue
         batch = block[call_step]
         if isinstance(batch, Exception):
-            raise batch
+            raise batch  # the script itself failed: a bug, not an outage
         out.append((batch[j].split(), None if xadd is None else block[xadd]))
     return out
 
@@ -123,7 +125,7 @@ async def deliver_ended(
     keys: Keys,
     replicas: int,
     calls: Sequence[_Prepared],
-    replies: Sequence[list[Any]],
+    replies: Sequence[list[Any] | Exception],
 ) -> None:
     """The completions of the rollouts ``calls`` ended (their append ``ok``, or a ``dup``: a
     repeat whose first delivery may not have run), delivered (``store.outbox``). One that
@@ -131,7 +133,9 @@ async def deliver_ended(
     ended = [
         Ended(p.event.rollout_id, p.state.membership.batch_id, p.state.status.value)
         for p, reply in zip(calls, replies, strict=True)
-        if reply[0] in (b"ok", b"dup") and p.state.status.value in _TERMINAL
+        if isinstance(reply, list)
+        and reply[0] in (b"ok", b"dup")
+        and p.state.status.value in _TERMINAL
     ]
     try:
         await deliver(client, keys, ended, replicas=replicas)

@@ -54,6 +54,9 @@ from store.errors import ReplicasNotAcked
 _ELSEWHERE = (AskError, TryAgainError, ClusterDownError, SlotNotCoveredError)
 # The master itself unreachable (killed, restarting, loading its data): the same, after a wait.
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# How long blocks are sent again before their error is theirs: a failover takes
+# ``cluster-node-timeout`` and a second or two more (2.7 s at 1000 ms, ~7 s at 5000 ms).
+WINDOW_S = RETRY_WINDOW_S
 # Blocks sent again, by the name of what sent them (MovedError, AskError, ConnectionError...):
 # for a process's metrics, and for the tests to see a migration or a failover met.
 resent: Counter[str] = Counter()
@@ -79,61 +82,71 @@ async def commit(
     *,
     replicas: int = 0,
     wait_ms: int = scripts.REPLICA_WAIT_MS,
-    window_s: float = RETRY_WINDOW_S,
+    window_s: float | None = None,
 ) -> list[list[Any] | Exception]:
     """Each block in one MULTI/EXEC on its slot's master, one round trip per master; per
     block, its replies (one per step, an error as its exception object, as
-    ``scripts.transaction`` gives them), or the exception that refused the whole block.
+    ``scripts.transaction`` gives them), or the exception that refused the whole block: a
+    master unreachable for all of ``window_s`` (default ``WINDOW_S``) fails its blocks alone.
     Scripts are sent by their text (EVAL): a replica promoted by a failover has no script
     cache, and a NOSCRIPT inside a MULTI would leave its plain steps unchecked."""
     await client.initialize()
     out: list[list[Any] | Exception | None] = [None] * len(blocks)
     pending = list(range(len(blocks)))
-    deadline = time.monotonic() + window_s
+    deadline = time.monotonic() + (WINDOW_S if window_s is None else window_s)
     pause = 0.05
     while True:
-        again: list[int] = []
-        last: BaseException | None = None
-        by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
-        for i in pending:
-            try:
-                node = client.nodes_manager.get_node_from_slot(blocks[i].slot)
-            except SlotNotCoveredError as exc:
-                again.append(i)
-                last = exc
-                resent[type(exc).__name__] += 1
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(i)
-        rounds = [
-            _round(node, [blocks[i] for i in idx], replicas, wait_ms)
-            for node, idx in by_node.values()
-        ]
-        for (_, idx), result in zip(
-            by_node.values(), await asyncio.gather(*rounds, return_exceptions=True), strict=True
-        ):
-            if isinstance(result, _UNREACHABLE):
-                again += idx
-                last = result
-                resent[type(result).__name__] += len(idx)
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                for i, reply in zip(idx, result, strict=True):
-                    if isinstance(reply, _Again):
-                        again.append(i)
-                        last = reply.__cause__
-                        resent[type(last).__name__] += 1
-                    else:
-                        out[i] = reply
-        if not again:
+        why = await _send(client, blocks, pending, out, replicas, wait_ms)
+        if why and time.monotonic() + pause > deadline:
+            for i, exc in why.items():
+                out[i] = exc
+            why = {}
+        if not why:
             return [r for r in out if r is not None]  # every block answered
-        if time.monotonic() + pause > deadline:
-            assert last is not None
-            raise last
+        for exc in why.values():
+            resent[type(exc).__name__] += 1
         await asyncio.sleep(pause)
         pause = min(2 * pause, 1.0)
         await _reload(client)
-        pending = again
+        pending = list(why)
+
+
+async def _send(
+    client: RedisCluster,
+    blocks: Sequence[Block],
+    pending: Sequence[int],
+    out: list[list[Any] | Exception | None],
+    replicas: int,
+    wait_ms: int,
+) -> dict[int, Exception]:
+    """One try of the ``pending`` blocks, every master at once; their replies go into
+    ``out``, and what is returned are the blocks to send again, with why."""
+    why: dict[int, Exception] = {}
+    by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
+    for i in pending:
+        try:
+            node = client.nodes_manager.get_node_from_slot(blocks[i].slot)
+        except SlotNotCoveredError as exc:
+            why[i] = exc
+            continue
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    rounds = [
+        _round(node, [blocks[i] for i in idx], replicas, wait_ms) for node, idx in by_node.values()
+    ]
+    results = await asyncio.gather(*rounds, return_exceptions=True)
+    for (_, idx), result in zip(by_node.values(), results, strict=True):
+        if isinstance(result, _UNREACHABLE):
+            why.update(dict.fromkeys(idx, result))
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            for i, reply in zip(idx, result, strict=True):
+                if isinstance(reply, _Again):
+                    assert isinstance(reply.__cause__, Exception)
+                    why[i] = reply.__cause__
+                else:
+                    out[i] = reply
+    return why
 
 
 async def _reload(client: RedisCluster) -> None:

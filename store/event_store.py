@@ -243,7 +243,10 @@ class EventStore:
         """``_run`` on Redis Cluster (``store.cluster_appends``)."""
         assert self.on_cluster is not None
         sent = await cluster_appends.run(self.on_cluster, self.keys, self.replicas_acked, calls)
-        out = [checked(p, reply, xadd) for p, (reply, xadd) in zip(calls, sent, strict=True)]
+        out = [
+            r if isinstance(r, Exception) else checked(p, *r)
+            for p, r in zip(calls, sent, strict=True)
+        ]
         out = await resolve_taken(self.redis, calls, out)
         await cluster_appends.deliver_ended(self.on_cluster, self.keys, self.replicas_acked,
                                             calls, out)  # fmt: skip

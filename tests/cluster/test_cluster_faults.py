@@ -20,6 +20,7 @@ from store import EventStore, cluster_commit
 from store.connection import connect_cluster
 from store.errors import StoreError
 from store.redis_cluster import RedisCluster
+from store.slots import key_slot
 from tests import factories as f
 
 pytestmark = pytest.mark.slow
@@ -141,4 +142,31 @@ async def test_slots_migrated_mid_run_lose_nothing(tmp_path: Path) -> None:
             f"rounds {writer.rounds}, failed tries {writer.failures}, "
             f"slowest round {writer.slowest:.1f} s, resent {dict(cluster_commit.resent)}"
         )
+        await client.aclose()
+
+
+async def test_a_master_down_for_good_fails_its_own_chains_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No replica to take over: after the retry window the dead master's chains get its error,
+    and every other master's chains are stored and answered as such (a worker retries only
+    those that failed)."""
+    monkeypatch.setattr(cluster_commit, "WINDOW_S", 1.0)
+    with RedisCluster(tmp_path, replicas=0, node_timeout_ms=1000) as cluster:
+        client = connect_cluster(cluster.url)
+        store = EventStore(client)
+        states = await _generating(store, 48)
+        victim = cluster.master_ports()[0]
+        cluster.node(victim).stop(kill=True)
+        results = await store.append_many([(s, [f.tokens(s, n=2)]) for s in states])
+        nodes = client.nodes_manager
+        for s, r in zip(states, results, strict=True):
+            slot = key_slot(store.keys.snapshot(s.rollout_id).encode())
+            if nodes.get_node_from_slot(slot).port == victim:
+                assert isinstance(r, (RedisError, OSError)), r
+            else:
+                assert isinstance(r, RolloutState) and r.num_tokens == 2
+                assert await store.load(s.rollout_id) == r
+        lost = sum(not isinstance(r, RolloutState) for r in results)
+        assert 0 < lost < len(states)
         await client.aclose()
