@@ -27,7 +27,6 @@ from store.outbox import Ended, deliver
 from store.prepared import _Prepared
 from store.slots import key_slot
 
-_TERMINAL = ("done", "failed", "cancelled")
 log = logging.getLogger("rollouts.cluster")
 
 
@@ -133,9 +132,7 @@ async def deliver_ended(
     ended = [
         Ended(p.event.rollout_id, p.state.membership.batch_id, p.state.status.value)
         for p, reply in zip(calls, replies, strict=True)
-        if isinstance(reply, list)
-        and reply[0] in (b"ok", b"dup")
-        and p.state.status.value in _TERMINAL
+        if isinstance(reply, list) and reply[0] in (b"ok", b"dup") and p.state.terminal
     ]
     try:
         await deliver(client, keys, ended, replicas=replicas)

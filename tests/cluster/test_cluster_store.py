@@ -146,3 +146,15 @@ async def test_replica_acks_are_asked_per_master_and_refused_when_short(
     # Applied on the master though: a retry is recognised, as after any failed append.
     again = await acked.append(states[0], chunk)
     assert (await acked.load(states[0].rollout_id)) == again and again.num_tokens == 2
+
+
+async def test_what_a_cluster_cannot_hold_yet_is_refused_by_name(store: EventStore) -> None:
+    """An episode's appends keep indexes in other slots (its environment queue): refused
+    before anything is sent, as a caller's own steps in an append's transaction are."""
+    with pytest.raises(cluster_appends.ClusterUnsupported, match="episodes"):
+        await store.append(None, f.episode_submitted("ep"))
+    assert not await store.exists("ep")
+    (s,) = await generating(store, 1)
+    with pytest.raises(cluster_appends.ClusterUnsupported, match="steps"):
+        await store.append_chain(s, [f.tokens(s, n=1)], then=[("PING",)])
+    assert await store.load(s.rollout_id) == s
