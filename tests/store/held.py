@@ -35,8 +35,8 @@ class RedisCpu:
         real_transaction, real_many = scripts.transaction, scripts.Script.many
         real_load = EventStore.load_many
 
-        async def transaction(client: Any, steps: Any) -> Any:
-            return await self.timed("transaction", real_transaction(client, steps))
+        async def transaction(client: Any, steps: Any, **kw: Any) -> Any:
+            return await self.timed("transaction", real_transaction(client, steps, **kw))
 
         async def many(script: scripts.Script, client: Any, calls: Any) -> Any:
             what = f"{script.name} x{len(calls)}"
