@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -362,19 +362,50 @@ async def _stuck_of(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -> l
 
 async def _candidates(store: EventStore) -> list[str]:
     """Rollouts that have not ended (their snapshot's status), the quarantined and the
-    leased ones: a SCAN of the snapshots, never a KEYS."""
+    leased ones."""
+    ids = [rid async for part in with_status(store, UNENDED, unknown=True) for rid in part]
+    ids += (await Leases(store.redis, store.keys).quarantined()).keys()
+    ids += [m.decode() for m in await store.redis.zrange(store.keys.leases(), 0, -1)]
+    return sorted(set(ids))
+
+
+UNENDED = frozenset(Status) - TERMINAL
+
+
+async def with_status(
+    store: EventStore, statuses: frozenset[Status], per: int = _SCAN_COUNT, *, unknown: bool = False
+) -> AsyncIterator[list[str]]:
+    """The rollouts whose snapshot's status is one of ``statuses`` (and with ``unknown``, those
+    whose snapshot has none: damaged, for a reader to say why), at most ``per`` at a time and
+    each once: a SCAN of the snapshots, never a KEYS, so that what the store alone says (no rq
+    key read) is found in a deployment of any size without holding it all at once."""
     keys: Keys = store.keys
     pattern = keys.snapshot("*")  # "*" is a legal id, and so the glob of every snapshot key
     prefix, suffix = pattern.split("*")
+    wanted = {s.value.encode() for s in statuses}
+    seen: set[str] = set()  # SCAN may return a key twice (a rehash between two steps)
     names: list[str] = []
     async for key in store.redis.scan_iter(match=pattern, count=_SCAN_COUNT, _type="hash"):
-        names.append(key.decode()[len(prefix) : -len(suffix)])
-    ended = {s.value.encode() for s in TERMINAL}
+        rid = key.decode()[len(prefix) : -len(suffix)]
+        if rid not in seen:
+            seen.add(rid)
+            names.append(rid)
+        if len(names) >= per:
+            yield await _having(store, names, wanted, unknown)
+            names = []
+    if names:
+        yield await _having(store, names, wanted, unknown)
+
+
+async def _having(
+    store: EventStore, names: list[str], wanted: set[bytes], unknown: bool
+) -> list[str]:
     async with store.redis.pipeline(transaction=False) as pipe:
         for rid in names:
-            pipe.hget(keys.snapshot(rid), STATUS)
+            pipe.hget(store.keys.snapshot(rid), STATUS)
         statuses = await pipe.execute()
-    ids = [rid for rid, st in zip(names, statuses, strict=True) if st not in ended]
-    ids += (await Leases(store.redis, keys).quarantined()).keys()
-    ids += [m.decode() for m in await store.redis.zrange(keys.leases(), 0, -1)]
-    return sorted(set(ids))
+    return [
+        rid
+        for rid, st in zip(names, statuses, strict=True)
+        if st in wanted or (unknown and st is None)
+    ]

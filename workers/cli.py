@@ -113,9 +113,9 @@ COMMANDS: tuple[Command, ...] = (
     _command("cancel", "cancel rollouts by id or a whole batch", "workers.ops.commands", "_cancel"),
     _command(
         "requeue",
-        "give a stuck or quarantined rollout a job again (it resumes from its saved tokens)",
-        "workers.ops.commands",
-        "_requeue",
+        "give a stuck or quarantined rollout, or every waiting one without a job, a job again "
+        "(it resumes from its saved tokens)",
+        "workers.ops.requeue",
     ),
     Command(
         name="make-tiny-model",

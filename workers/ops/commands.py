@@ -1,4 +1,5 @@
-"""The operator commands: ``rollouts status``, ``show``, ``stuck``, ``cancel`` and ``requeue``.
+"""The operator commands: ``rollouts status``, ``show``, ``stuck`` and ``cancel`` (``requeue``
+is in ``workers.ops.requeue``).
 
 They read Redis directly (the same URL options as ``rollouts worker``) and work with no API and
 no worker running. Reads go through ``store.inspect`` and ``store.timeline``; the two that
@@ -19,14 +20,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from statemachine import LIVE, RolloutState
+from statemachine import RolloutState
 from store import lifecycle, redis_options
 from store.client import RolloutClient
 from store.connection import DEFAULT_URL, connect_sync
 from store.errors import InvalidRedisUrl, RolloutNotFound
-from store.inspect import RolloutNow, cluster_status, find_stuck, rollouts_now
+from store.inspect import cluster_status, find_stuck, rollouts_now
 from store.lifecycle import RolloutEnded
-from store.queue import enqueue_rollouts, rollout_queue
 from store.timeline import build as build_timeline
 from workers.errors import WorkerError
 from workers.ops import episode_text, timeline_plot
@@ -45,18 +45,18 @@ class OperatorError(WorkerError):
 
 
 # -- argparse ---------------------------------------------------------------------------------
-def _common(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+def common_arguments(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
     redis_options.add_arguments(parser, otherwise=DEFAULT_URL)
     if json_flag:
         parser.add_argument("--json", action="store_true", help="print JSON for scripts (a switch)")
 
 
 def configure_status(parser: argparse.ArgumentParser) -> None:
-    _common(parser)
+    common_arguments(parser)
 
 
 def configure_show(parser: argparse.ArgumentParser) -> None:
-    _common(parser)
+    common_arguments(parser)
     parser.add_argument("rollout_id", nargs="?", metavar="ID",
                         help="the rollout to show (required, unless --session)")  # fmt: skip
     parser.add_argument("--session", metavar="S", help="instead of a rollout, list session S's "
@@ -69,11 +69,11 @@ def configure_show(parser: argparse.ArgumentParser) -> None:
 
 
 def configure_stuck(parser: argparse.ArgumentParser) -> None:
-    _common(parser)
+    common_arguments(parser)
 
 
 def configure_cancel(parser: argparse.ArgumentParser) -> None:
-    _common(parser, json_flag=False)
+    common_arguments(parser, json_flag=False)
     parser.add_argument(
         "ids", nargs="*", metavar="ID", help="rollouts to cancel (or --batch; default: none)"
     )
@@ -89,18 +89,11 @@ def configure_cancel(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def configure_requeue(parser: argparse.ArgumentParser) -> None:
-    _common(parser, json_flag=False)
-    parser.add_argument(
-        "ids", nargs="+", metavar="ID", help="stuck or quarantined rollouts to requeue (required)"
-    )
-
-
 # -- running ----------------------------------------------------------------------------------
 Action = Callable[[RolloutClient, Any, argparse.Namespace], Awaitable[int]]
 
 
-def _run(action: Action, args: argparse.Namespace) -> int:
+def run_action(action: Action, args: argparse.Namespace) -> int:
     try:
         url = redis_options.resolve(args) or DEFAULT_URL
     except InvalidRedisUrl as exc:
@@ -124,7 +117,7 @@ def _print_json(value: Any) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    return _run(_status, args)
+    return run_action(_status, args)
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -133,17 +126,17 @@ def run_show(args: argparse.Namespace) -> int:
     if args.session is not None:
         if args.plot is not None:
             raise OperatorError("--plot draws one rollout: not with --session", 2)
-        return _run(_show_session, args)
+        return run_action(_show_session, args)
     if args.plot is not None:
         # Before anything is read: a bad FILE or a missing matplotlib costs nothing.
         problem = timeline_plot.check(args.plot)
         if problem is not None:
             raise OperatorError(problem, 2)
-    return _run(_show, args)
+    return run_action(_show, args)
 
 
 def run_stuck(args: argparse.Namespace) -> int:
-    return _run(_stuck, args)
+    return run_action(_stuck, args)
 
 
 def run_cancel(args: argparse.Namespace) -> int:
@@ -151,11 +144,7 @@ def run_cancel(args: argparse.Namespace) -> int:
         raise OperatorError("name rollout IDs or --batch B, not both and not neither", 2)
     if args.group is not None and args.batch is None:
         raise OperatorError("--group needs --batch", 2)
-    return _run(_cancel, args)
-
-
-def run_requeue(args: argparse.Namespace) -> int:
-    return _run(_requeue, args)
+    return run_action(_cancel, args)
 
 
 # -- the commands -----------------------------------------------------------------------------
@@ -258,60 +247,3 @@ async def _cancel_ids(client: RolloutClient, ids: list[str], reason: str) -> lis
             # One ended between the look and the cancel (which then cancelled nothing).
             todo = [rid for rid in todo if rid not in exc.ended]
     return []
-
-
-async def _requeue(client: RolloutClient, conn: Any, args: argparse.Namespace) -> int:
-    ids = list(dict.fromkeys(args.ids))
-    nows = await rollouts_now(client.store, conn, ids)
-    refusals = [why for now in nows if (why := _refusal(now)) is not None]
-    if refusals:
-        # All or nothing: a typo'd or ended id among them requeues none.
-        raise OperatorError("; ".join(refusals) + ": nothing requeued")
-    for now in nows:
-        state = now.state
-        assert state is not None  # _refusal refused the unreadable and the missing
-        # As the reaper gives a lost worker's rollout back: at the front of its own queue.
-        await asyncio.to_thread(
-            enqueue_rollouts, rollout_queue(conn, state.queue), [state.rollout_id],
-            at_front=True, keys=client.keys,
-        )  # fmt: skip
-        if now.quarantine is not None:
-            await client.redis.hdel(client.keys.quarantine(), state.rollout_id)  # type: ignore[misc]
-        print(f"requeued {state.rollout_id} on {state.queue}: {_what_next(now)}")
-    return 0
-
-
-def _refusal(now: RolloutNow) -> str | None:
-    """Why requeueing this rollout would be wrong (so that no operator can start a second run
-    of a rollout that has one), or None."""
-    rid, s = now.rollout_id, now.state
-    if s is None:
-        return (
-            f"rollout {rid!r} cannot be read ({now.problem})"
-            if now.problem
-            else (f"no rollout {rid!r}")
-        )
-    if s.terminal:
-        return f"rollout {rid!r} has ended ({s.status.value})"
-    left = now.lease_left_s()
-    if left is not None and left > 0:
-        return f"rollout {rid!r} is generating on {s.worker_id} (lease valid {left:.1f}s more)"
-    if now.live_jobs:
-        j = now.live_jobs[0]
-        return f"rollout {rid!r} already has job {j.job_id} ({j.where} on {j.queue})"
-    return None
-
-
-def _what_next(now: RolloutNow) -> str:
-    s = now.state
-    assert s is not None
-    if s.status in LIVE:
-        what = (
-            f"attempt {s.attempt} on {s.worker_id} is taken over by the next worker, which "
-            f"resumes from {s.num_tokens} saved tokens"
-        )
-    elif s.num_tokens:
-        what = f"{s.status.value}, resumes from {s.num_tokens} saved tokens"
-    else:
-        what = f"{s.status.value}, starts from the prompt"
-    return what + ("; out of quarantine" if now.quarantine is not None else "")
