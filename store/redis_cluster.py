@@ -4,8 +4,10 @@ data directory, AOF with ``appendfsync always`` as every durable node here.
 
 Used by the tests and benchmarks that run the store on a cluster (issue 32) and by whoever
 wants one to try: ``with RedisCluster(Path("/tmp/c")) as c: print(c.url)``. Formed with
-``redis-cli --cluster create`` (offline, on loopback: ~2 s to ``cluster_state:ok``), then held
-until every replica has synced with its master (``WAIT`` counts only synced replicas).
+``redis-cli --cluster create`` (offline, on loopback: ~2 s to ``cluster_state:ok``), which
+refuses fewer than 3 masters: 1 or 2 masters are formed by hand (``CLUSTER ADDSLOTSRANGE``,
+``MEET``, ``REPLICATE``), so a benchmark can compare 1, 3 and 6. Then held until every replica
+has synced with its master (``WAIT`` counts only synced replicas).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from store.redis_server import RedisServer
+from store.slots import SLOTS
 
 # Each node's cluster bus listens on its port + 10000: ports are drawn below this so that the
 # bus port exists, and both are checked free.
@@ -85,15 +88,42 @@ class RedisCluster:
     def start(self, timeout: float = 60.0) -> RedisCluster:
         for node in self.nodes:
             node.start()
-        subprocess.run(
-            ["redis-cli", "--cluster", "create",
-             *(f"127.0.0.1:{n.port}" for n in self.nodes),
-             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-            check=True, capture_output=True, timeout=timeout,
-        )  # fmt: skip
+        if self.masters < 3:
+            self._form_by_hand(timeout)
+        else:
+            subprocess.run(
+                ["redis-cli", "--cluster", "create",
+                 *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                 "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                check=True, capture_output=True, timeout=timeout,
+            )  # fmt: skip
         self.wait_ok(timeout)
         self.wait_synced(timeout)
         return self
+
+    def _form_by_hand(self, timeout: float) -> None:
+        """What ``--cluster create`` does, for the 1 or 2 masters it refuses: the first
+        ``masters`` nodes share the slots evenly, every node meets the first, and each other
+        node replicates a master (in turn)."""
+        masters, others = self.nodes[: self.masters], self.nodes[self.masters :]
+        for i, m in enumerate(masters):
+            lo, hi = i * SLOTS // self.masters, (i + 1) * SLOTS // self.masters - 1
+            self._ok(m.port, "CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi))
+        for n in self.nodes[1:]:
+            self._ok(n.port, "CLUSTER", "MEET", "127.0.0.1", str(self.nodes[0].port))
+        self._until(lambda: all(
+            len(self.cli(n.port, "CLUSTER", "NODES").splitlines()) == len(self.nodes)
+            for n in self.nodes
+        ), timeout, "every node known to every node")  # fmt: skip
+        for k, replica in enumerate(others):
+            master_id = self.cli(masters[k % self.masters].port, "CLUSTER", "MYID").strip()
+            self._ok(replica.port, "CLUSTER", "REPLICATE", master_id)
+
+    def _ok(self, port: int, *args: str) -> None:
+        # redis-cli exits 0 on an error reply when its output is not a terminal.
+        out = self.cli(port, *args)
+        if out.strip() != "OK":
+            raise RuntimeError(f"{' '.join(args)} on {port}: {out.strip()}")
 
     def cli(self, port: int, *args: str, timeout: float = 10.0) -> str:
         """``redis-cli -p port args``: its output."""

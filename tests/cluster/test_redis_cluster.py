@@ -35,3 +35,17 @@ def test_a_cluster_forms_serves_every_slot_and_survives_a_master_killed(tmp_path
         client = redis.RedisCluster(host="127.0.0.1", port=cluster.master_ports()[0])
         assert [int(client.get(f"k{i}")) for i in range(100)] == list(range(100))  # type: ignore[arg-type]
         client.close()
+
+
+def test_one_master_is_formed_by_hand_with_its_replica(tmp_path: Path) -> None:
+    # redis-cli --cluster create refuses fewer than 3 masters; bench_cluster compares 1, 3, 6.
+    with RedisCluster(tmp_path, masters=1, replicas=1) as cluster:
+        (master,) = cluster.master_ports()
+        assert "cluster_slots_ok:16384" in cluster.cli(master, "CLUSTER", "INFO")
+        client = redis.RedisCluster(host="127.0.0.1", port=master)
+        for i in range(20):
+            client.set(f"k{i}", i)
+        assert client.wait(1, 1000) == 1
+        replica = next(n.port for n in cluster.nodes if n.port != master)
+        assert cluster.cli(replica, "DBSIZE").strip() == "20"
+        client.close()

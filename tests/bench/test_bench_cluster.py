@@ -1,0 +1,72 @@
+"""``bench/bench_cluster.py --json`` runs end to end at a small size on real loopback clusters
+(1, 3 and 6 masters, and 3 masters with a replica each) and one plain redis-server, and reports
+every figure: a group commit costs one round trip per master it touches (a count, so exact),
+500 rollouts spread over 3 masters within 1.5x, and the capacity table for every rate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.bench.smoke import assert_finite, figures
+
+# Four clusters and a redis-server started and stopped: ~20-30 s on this 2-core machine.
+pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
+
+FIGURES = (
+    "load_max_over_mean",
+    "commands_max_over_mean",
+    "cpu_max_over_mean",
+    "cpu_us_per_token",
+    "cpu_sys_share",
+    "replica_cpu_us_per_token",
+    "bytes_per_token",
+    "net_in_bytes_per_token",
+    "commands_per_token",
+    "checkpoint_tokens_per_s",
+    "submit_and_start_rollouts_per_s",
+    "eval_wall_us_per_call",
+    "xadd_wall_us_per_call",
+    "appends_per_s_acks0",
+    "appends_per_s_acks1",
+    "replica_ack_cost_ratio",
+    "commit_ms_acks0",
+    "commit_ms_acks1",
+    "single_redis_cpu_us_per_token",
+    "cluster_over_single_cpu_ratio",
+    "round_trips_per_commit",
+    "round_trips_per_commit_per_master",
+)
+
+
+def test_a_small_run_reports_every_figure() -> None:
+    result = figures(
+        "bench_cluster.py", "--rollouts", "500", "--rounds", "1", "--commit", "64",
+        "--commits", "2", "--ack-rounds", "2", timeout=120,
+    )  # fmt: skip
+    assert_finite(result, FIGURES)
+    assert all(result[name] > 0 for name in FIGURES)
+    # 64 rollouts of a checkpoint land on every master of 1, 3 and 6: one write to each.
+    sizes = result["round_trips_by_masters"]
+    assert [s["masters"] for s in sizes] == [1, 3, 6]
+    for s in sizes:
+        assert s["masters_touched"] == s["masters"]
+        assert s["round_trips_per_commit_per_master"] == 1.0
+        assert s["round_trips_per_commit"] == s["masters"]
+    assert result["round_trips_per_commit_per_master"] == 1.0
+    # Every rollout's two keys on some master, the slot counters beside them.
+    assert len(result["keys_per_master"]) == 3 and sum(result["rollouts_per_master"]) == 500
+    assert sum(result["keys_per_master"]) >= 2 * 500
+    assert 1.0 <= result["load_max_over_mean"] < 1.5
+    assert result["tokens_stored"] == 500 * 16
+    # A token's record is ~410 bytes (16 x 48 x 8 routes, ids, logprobs, versions).
+    assert 300 < result["bytes_per_token"] < 2000
+    rates = [row["tokens_per_s"] for row in result["table"]]
+    assert rates == [100_000, 1_000_000, 10_000_000]
+    for row in result["table"]:
+        assert row["masters"] >= 1 and row["nodes"] == 2 * row["masters"]
+        for value in row.values():
+            assert math.isfinite(value) and value > 0, row
+    masters = [row["masters"] for row in result["table"]]
+    assert masters == sorted(masters)
