@@ -50,7 +50,6 @@ from typing import Any
 
 import numpy as np
 import redis.asyncio as aredis
-from redis.asyncio.connection import Connection
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -64,6 +63,7 @@ from statemachine import (
     TokensAppended,
 )
 from store import EventStore
+from store.cancel_safe import _CancelSafe
 from store.connection import connect_cluster
 from store.redis_cluster import RedisCluster
 from store.redis_server import RedisServer
@@ -151,17 +151,18 @@ async def checkpoints(
 def writes_counted() -> Iterator[Counter[int]]:
     """Packed writes sent (one per round trip), by the port of the node they went to."""
     sent: Counter[int] = Counter()
-    original = Connection.send_packed_command
+    # The store's connections are cancel-safe (store.connection): that class writes the socket.
+    original = _CancelSafe.send_packed_command
 
-    async def counted(self: Connection, command: Any, check_health: bool = True) -> None:
+    async def counted(self: Any, command: Any, check_health: bool = True) -> None:
         sent[int(self.port)] += 1
         await original(self, command, check_health)
 
-    Connection.send_packed_command = counted  # type: ignore[method-assign]
+    _CancelSafe.send_packed_command = counted  # type: ignore[method-assign]
     try:
         yield sent
     finally:
-        Connection.send_packed_command = original  # type: ignore[method-assign]
+        _CancelSafe.send_packed_command = original  # type: ignore[method-assign]
 
 
 def reading(cluster: RedisCluster, port: int) -> dict[str, float]:

@@ -32,11 +32,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 def keep_cancels(client: aredis.Redis) -> aredis.Redis:
     """``client``, whose connections from now on let cancellation through (before its first)."""
     pool = client.connection_pool
-    pool.connection_class = _keeping(pool.connection_class)
+    pool.connection_class = keeping(pool.connection_class)
     return client
 
 
-def _keeping(base: type[AbstractConnection]) -> type[AbstractConnection]:
+def keeping(base: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``base`` with the cancel-safe methods (for a client with no pool of its own to patch:
+    a Redis Cluster client's nodes, ``store.connection.connect_cluster``)."""
     # One per connection class a URL chooses (TCP, TLS, unix socket), made once.
     if base not in _MADE:
         _MADE[base] = type(f"CancelSafe{base.__name__}", (_CancelSafe, base), {})

@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from store.cancel_safe import keep_cancels
+from store.cancel_safe import keep_cancels, keeping
 from store.errors import InvalidRedisUrl, unwritable
 from store.slots import cluster_nodes, is_cluster_url
 
@@ -146,7 +146,7 @@ def connect_cluster(url: str, *, client_name: str | None = None) -> RedisCluster
         nodes = [ClusterNode(host, port) for host, port in cluster_nodes(url)]
     except ValueError as exc:
         raise InvalidRedisUrl(f"not a Redis Cluster URL: {exc}".replace(url, redact(url))) from None
-    return RedisCluster(
+    client = RedisCluster(
         startup_nodes=nodes,
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,
@@ -158,6 +158,14 @@ def connect_cluster(url: str, *, client_name: str | None = None) -> RedisCluster
         socket_connect_timeout=2.0,
         **_DRIVER,
     )
+    # As ``connect``'s connections: cancel-safe, and alive while Redis answers MISCONF. redis-py
+    # takes every node's connection class from these settings, shared with its nodes manager
+    # (nodes found later), and gave the seed nodes theirs already.
+    kind = _answered(keeping(client.connection_kwargs["connection_class"]), _AsyncPingAnswered)
+    client.connection_kwargs["connection_class"] = kind
+    for node in client.nodes_manager.startup_nodes.values():
+        node.connection_class = kind
+    return client
 
 
 def connect_sync(url: str) -> redis.Redis:
@@ -186,13 +194,16 @@ def _pings_answered(client: C) -> C:
     API's /healthz, ``rollouts status``, a worker's next round trip) for as long as that lasts.
     Writes are still refused, each with its own MISCONF (``store.errors.StoreUnwritable``)."""
     pool = client.connection_pool
-    base = pool.connection_class
     mixin = _AsyncPingAnswered if isinstance(client, aredis.Redis) else _PingAnswered
+    pool.connection_class = _answered(pool.connection_class, mixin)
+    return client
+
+
+def _answered(base: type, mixin: type) -> type:
     made = _PINGS.get(base)
     if made is None:
         made = _PINGS[base] = type(f"PingAnswered{base.__name__}", (mixin, base), {})
-    pool.connection_class = made
-    return client
+    return made
 
 
 _PINGS: dict[type, type] = {}

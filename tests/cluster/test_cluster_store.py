@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from redis.asyncio.cluster import RedisCluster as ClusterClient
-from redis.asyncio.connection import Connection
 
 from statemachine import Membership, RolloutState, Status, apply
 from store import EventStore, cluster_appends, outbox
+from store.cancel_safe import _CancelSafe
 from store.errors import ReplicasNotAcked
 from store.slot_counters import summed
 from store.slots import key_slot
@@ -24,15 +24,16 @@ from tests import factories as f
 
 @pytest.fixture
 def writes(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
-    """Packed writes sent, by the port of the node they went to."""
+    """Packed writes sent, by the port of the node they went to (every connection of the
+    store's clients is cancel-safe: its class writes the socket itself)."""
     sent: Counter[int] = Counter()
-    original = Connection.send_packed_command
+    original = _CancelSafe.send_packed_command
 
-    async def counted(self: Connection, command: Any, check_health: bool = True) -> None:
-        sent[int(self.port)] += 1
+    async def counted(self: _CancelSafe, command: Any, check_health: bool = True) -> None:
+        sent[int(self.port)] += 1  # type: ignore[attr-defined]
         await original(self, command, check_health)
 
-    monkeypatch.setattr(Connection, "send_packed_command", counted)
+    monkeypatch.setattr(_CancelSafe, "send_packed_command", counted)
     return sent
 
 
@@ -158,3 +159,17 @@ async def test_what_a_cluster_cannot_hold_yet_is_refused_by_name(store: EventSto
     with pytest.raises(cluster_appends.ClusterUnsupported, match="steps"):
         await store.append_chain(s, [f.tokens(s, n=1)], then=[("PING",)])
     assert await store.load(s.rollout_id) == s
+
+
+async def test_every_node_connects_as_connect_does(store: EventStore) -> None:
+    """Cancel-safe connections that count a MISCONF answer to their health check as alive
+    (store.cancel_safe, store.connection), on every node: the seeds and those found later."""
+    from store.connection import _AsyncPingAnswered
+
+    await generating(store, 16)  # every master used
+    assert store.on_cluster is not None
+    nodes = store.on_cluster.nodes_manager.nodes_cache.values()
+    used = [c for node in nodes for c in node._connections]
+    assert len(nodes) == 6 and used
+    for conn in used:
+        assert isinstance(conn, _CancelSafe) and isinstance(conn, _AsyncPingAnswered)
