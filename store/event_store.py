@@ -87,7 +87,8 @@ class EventStore:
         self.on_cluster = client if isinstance(client, RedisCluster) else None
         self.cluster = self.on_cluster is not None
         self.replicas_acked = replicas_acked
-        self.keys = keys or Keys()
+        # On a cluster a group's rollouts share a slot (``Keys.grouped``).
+        self.keys = keys or Keys(grouped=self.cluster)
 
     # -- writes -------------------------------------------------------------------------------
     async def append(self, state: RolloutState | None, event: Event) -> RolloutState:

@@ -42,12 +42,13 @@ FIGURES = (
 
 def test_a_small_run_reports_every_figure() -> None:
     result = figures(
-        "bench_cluster.py", "--rollouts", "500", "--rounds", "1", "--commit", "64",
+        "bench_cluster.py", "--rollouts", "500", "--rounds", "1", "--commit", "128",
         "--commits", "2", "--ack-rounds", "2", timeout=120,
     )  # fmt: skip
     assert_finite(result, FIGURES)
     assert all(result[name] > 0 for name in FIGURES)
-    # 64 rollouts of a checkpoint land on every master of 1, 3 and 6: one write to each.
+    # 128 rollouts (16 groups) of a checkpoint land on every master of 1, 3 and 6: one write
+    # to each.
     sizes = result["round_trips_by_masters"]
     assert [s["masters"] for s in sizes] == [1, 3, 6]
     for s in sizes:

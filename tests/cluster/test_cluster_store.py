@@ -173,3 +173,33 @@ async def test_every_node_connects_as_connect_does(store: EventStore) -> None:
     assert len(nodes) == 6 and used
     for conn in used:
         assert isinstance(conn, _CancelSafe) and isinstance(conn, _AsyncPingAnswered)
+
+
+async def test_a_groups_samples_share_a_slot_and_a_transaction(
+    store: EventStore, writes: Counter[int]
+) -> None:
+    """Ids as submit makes them (``<batch>.<group>.<sample>``): a group's samples share their
+    group's hash tag on a cluster, so a checkpoint of 8 groups of 8 is 8 transactions, each
+    with one script call; ids of the caller's own keep a slot each."""
+    states = []
+    for g in range(8):
+        for s in range(8):
+            sub = f.submitted(f"b2.{g}.{s}", max_tokens=8)
+            st = await store.append(None, replace(sub, membership=Membership(batch_id="b2")))
+            states.append(await store.append(st, f.started(st)))
+    assert store.keys.log("b2.3.5") == "dr:{b2.3}:b2.3.5:log"
+    assert store.keys.log("custom") == "dr:{custom}:log"
+    slots = {key_slot(store.keys.snapshot(s.rollout_id).encode()) for s in states}
+    assert len(slots) == 8
+    evals_before = await _evals(store)
+    results = await store.append_many([(s, [f.tokens(s, n=2)]) for s in states])
+    assert all(isinstance(r, RolloutState) and r.num_tokens == 2 for r in results)
+    assert await _evals(store) - evals_before == 8  # one script call per group
+    assert await store.load_many([s.rollout_id for s in states]) == results
+
+
+async def _evals(store: EventStore) -> int:
+    """EVAL calls every master has run (INFO commandstats)."""
+    assert store.on_cluster is not None
+    stats = await store.on_cluster.info("commandstats", target_nodes=ClusterClient.PRIMARIES)
+    return sum(int(node.get("cmdstat_eval", {}).get("calls", 0)) for node in stats.values())
