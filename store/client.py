@@ -1,17 +1,9 @@
 """The trainer's client: submit groups of rollouts, consume them as they finish, cancel,
-acknowledge, publish weights, read stats.
+acknowledge, publish weights, read stats (a training step: the README's "A training loop").
 
 ``RolloutClient`` is asyncio and is the one place these operations live (the HTTP API calls
 it); ``SyncRolloutClient`` offers the same calls to a synchronous trainer loop by running the
 async client on a private event-loop thread.
-
-A training step::
-
-    batch = await client.submit(prompts, n=4, batch_id=f"step-{step}")
-    async for group in client.groups(batch.batch_id):
-        train_on(group.results)
-        await client.ack(group.rollout_ids)
-    await client.publish_weights(step + 1, checkpoint_path)
 """
 
 from __future__ import annotations
@@ -34,6 +26,7 @@ from store.event_store import EventStore
 from store.keys import Keys
 from store.lifecycle import AckReport, RolloutEnded
 from store.queue import JobWriter, rollout_queue
+from store.replicas import acked
 from store.results import GroupResult, RolloutResult, Tokenizer
 from store.sessions import SessionCall
 from store.stats import Stats, read_stats
@@ -59,9 +52,13 @@ class RolloutClient:
         tokenizer: Tokenizer | None = None,
         retention_s: int = defaults.RETENTION_S,
         max_tokens_cap: int | None = defaults.MAX_TOKENS_CAP,
+        min_replicas_acked: int = 0,
     ) -> None:
+        """``min_replicas_acked``: a write counts as done once that many replicas have it
+        (``store.replicas``), else it raises ``ReplicasNotAcked``; retry it as it was."""
         self.redis = connect(url)
-        self.store = EventStore(self.redis, keys)
+        self.min_replicas_acked = min_replicas_acked
+        self.store = EventStore(self.redis, keys, replicas_acked=min_replicas_acked)
         self.keys = self.store.keys
         self.weights = WeightRegistry(self.redis, keys)
         # rq is synchronous: it gets its own (sync) connection, used from a thread (and shared
@@ -75,6 +72,7 @@ class RolloutClient:
 
     # -- submit -------------------------------------------------------------------------------
     @named
+    @acked
     async def submit(
         self,
         prompts: Sequence[Prompt],
@@ -280,6 +278,7 @@ class RolloutClient:
         return await lifecycle.cancel(self.store, targets, reason, refuse_ended=ids is not None)
 
     @named
+    @acked
     async def ack(
         self,
         ids: Sequence[str] | None = None,
@@ -307,6 +306,7 @@ class RolloutClient:
 
     # -- weights and stats --------------------------------------------------------------------
     @named
+    @acked
     async def publish_weights(self, version: int, path: str) -> WeightVersion:
         """Record weight ``version`` (at checkpoint ``path``) and so notify every worker.
         Versions only go up: an older or equal one raises ``StaleWeightVersion``."""

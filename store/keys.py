@@ -253,6 +253,10 @@ class Keys:
         deleted by ``/resume``: absent, workers admit rollouts."""
         return f"{self.namespace}:paused"
 
+    def replica_mark(self) -> str:
+        """A write made only to be waited for (``store.replicas``): a string that expires."""
+        return f"{self.namespace}:replica-mark"
+
     def write_probe(self) -> str:
         """Never created: ``SET`` of it with ``XX`` writes nothing, yet Redis refuses it as any
         write when it refuses writes (``store.writable``)."""

@@ -33,6 +33,31 @@ def add_arguments(parser: argparse.ArgumentParser, *, otherwise: str, use_env: b
     )
 
 
+def add_min_replicas_acked(parser: argparse.ArgumentParser, what: str, meanwhile: str) -> None:
+    """``--min-replicas-acked N``: ``what`` (a checkpoint, a trainer's write) counts as saved
+    once N replicas of its Redis confirm it (docs/scale.md); ``meanwhile``: what happens to
+    it until they do."""
+    parser.add_argument(
+        "--min-replicas-acked",
+        type=_replica_count,
+        default=0,
+        metavar="N",
+        help=f"count {what} saved only once N replicas of its Redis confirm it (WAIT, 1 s at "
+        f"most; until then {meanwhile}): a failover then loses nothing acknowledged. 0: saved "
+        "once the master has it (default %(default)s)",
+    )
+
+
+def _replica_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a count of replicas is a number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a count of replicas is 0 or more, got {n}")
+    return n
+
+
 def resolve(args: argparse.Namespace, *, use_env: bool = True) -> str | None:
     """The URL from the flag, the file or (``use_env``) the environment; None if none does."""
     return resolve_url(args.redis, args.redis_url_file, None if use_env else {}, default=None)

@@ -55,6 +55,8 @@ class WeightRegistry:
         reply = await scripts.PUBLISH_WEIGHTS(
             self.redis, [self.key], [str(version), path, repr(now)]
         )
+        if reply[0] == b"dup":  # retried as it was: the first publish's answer
+            return WeightVersion(version, path, float(reply[1]))
         if reply[0] == b"old":
             raise StaleWeightVersion(
                 f"weight version {version} is not above the latest published ({int(reply[1])})"

@@ -128,14 +128,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"on (e.g. out of memory) cannot take down the fleet forever (default "
         f"{defaults.MAX_WORKER_LOST})",
     )
-    parser.add_argument(
-        "--min-replicas-acked",
-        type=_count,
-        default=0,
-        metavar="N",
-        help="count a checkpoint saved only once N replicas of its Redis confirm it (WAIT, 1 s "
-        "at most); until they do it is retried, the tokens kept: a failover then loses no "
-        "acknowledged token. 0: saved once the master has it (default %(default)s)",
+    redis_options.add_min_replicas_acked(
+        parser, "a checkpoint", "the worker retries it, its tokens kept"
     )
     parser.add_argument(
         "--lease-ttl",
@@ -302,16 +296,6 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free one), got {port}")
     return port
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a count of replicas is a number, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"a count of replicas is 0 or more, got {n}")
-    return n
 
 
 def _refuse(message: str) -> int:

@@ -84,6 +84,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a harness caller that disconnects mid-call: keep its rollouts (they finish, a "
         "retry attaches, retention expires them) or cancel them (default keep)",
     )  # fmt: skip
+    redis_options.add_min_replicas_acked(
+        parser, "a submit, cancel, ack or weight version", "it is answered 503: retry it as it was"
+    )
     add_log_format(parser)
 
 
@@ -130,7 +133,8 @@ def _serve(args: argparse.Namespace, url: str, token: str | None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
 
     async def app() -> web.Application:
-        client = RolloutClient(url, queue_name=args.queue, tokenizer=tokenizer)
+        client = RolloutClient(url, queue_name=args.queue, tokenizer=tokenizer,
+                               min_replicas_acked=args.min_replicas_acked)  # fmt: skip
         served = from_args(args.served_model_name, args.max_model_len, args.tokenizer)
         calls = Calls(client, max_waiting=args.max_waiting, on_disconnect=args.on_disconnect,
                       timeout_s=args.call_timeout, served=served)  # fmt: skip

@@ -5,7 +5,9 @@
 -- ARGV[2]  checkpoint path
 -- ARGV[3]  unix time
 --
--- Returns {"ok"} | {"old", latest_version (decimal string)}
+-- Returns {"ok"} | {"old", latest_version (decimal string)} | {"dup", at}
+--   dup: the latest version is this one, with this path: a publish retried as it was (its
+--        reply lost, or its replicas short of --min-replicas-acked), answered as the first was
 --
 -- Versions are compared as decimal strings, never as Lua numbers: those are doubles, exact
 -- only below 2^53 (2^53 + 1 read as 2^53 was refused as "not above" it), and tostring() of
@@ -18,6 +20,12 @@ if #latest == 1 then
   current = string.match(latest[1][1], '^0%-(%d+)$')
 end
 local version = ARGV[1]
+if version == current then
+  local fields = latest[1][2]
+  if fields[1] == 'path' and fields[2] == ARGV[2] then
+    return {'dup', fields[4]}
+  end
+end
 if #version < #current or (#version == #current and version <= current) then
   return {'old', current}
 end

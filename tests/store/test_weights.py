@@ -82,3 +82,18 @@ async def test_a_version_beyond_int64_is_refused_and_writes_nothing(
         with pytest.raises(StaleWeightVersion, match="weight version must be an int in"):
             await reg.publish(big, "/big")
     assert [w.version for w in await reg.history()] == [3]
+
+
+async def test_a_publish_retried_as_it_was_is_recognised(redis_client: aredis.Redis) -> None:
+    """A trainer whose publish lost its reply (or whose replicas did not confirm it in time:
+    ``--min-replicas-acked``) sends it again: the same version and path is that publish, not
+    a stale one. Another path under the same version still is."""
+    reg = WeightRegistry(redis_client)
+    first = await reg.publish(3, "/ckpt/3")
+    assert await reg.publish(3, "/ckpt/3") == first
+    with pytest.raises(StaleWeightVersion, match="not above the latest published \\(3\\)"):
+        await reg.publish(3, "/ckpt/other")
+    await reg.publish(4, "/ckpt/4")
+    with pytest.raises(StaleWeightVersion):
+        await reg.publish(3, "/ckpt/3")  # an older one: only the latest is recognised
+    assert [w.version for w in await reg.history()] == [3, 4]
