@@ -20,7 +20,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from statemachine import RolloutState, commands
+from statemachine import RolloutState, Status, commands
 from store import bulk, scripts
 from store.errors import AppendRefused, RolloutNotFound, SequenceConflict, StoreError
 from store.event_store import EventStore, read_head, submitted_record
@@ -73,10 +73,12 @@ async def cancel(
 ) -> list[str]:
     """Cancel every rollout of ``ids`` that has not ended; returns the ids cancelled.
 
-    ``refuse_ended``: raise ``RolloutEnded`` (cancelling nothing) if one of them has ended,
-    and ``RolloutNotFound`` if one does not exist; otherwise (a batch's or a group's
-    rollouts) ended ones are skipped, and so are those acknowledged or expired already,
-    which had ended too (a trainer acknowledges the groups it took while ``take=k`` runs)."""
+    ``refuse_ended``: raise ``RolloutEnded`` (cancelling nothing) if one of them has ended
+    otherwise than cancelled, and ``RolloutNotFound`` if one does not exist; those cancelled
+    already are listed as cancelled, so that a cancel retried as it was (its reply lost, its
+    replicas short) is answered as the first was. Otherwise (a batch's or a group's rollouts)
+    ended ones are skipped, and so are those acknowledged or expired already, which had ended
+    too (a trainer acknowledges the groups it took while ``take=k`` runs)."""
     states = await heads(store, ids)
     ended = {}
     for rid, s in zip(ids, states, strict=True):
@@ -84,12 +86,14 @@ async def cancel(
             continue
         if isinstance(s, Exception):
             raise s
-        if s.terminal:
+        if s.terminal and not (refuse_ended and s.status is Status.CANCELLED):
             ended[rid] = s.status.value
     if ended and refuse_ended:
         raise RolloutEnded(ended)
     todo = [s for s in states if isinstance(s, RolloutState) and not s.terminal]
-    cancelled: list[str] = []
+    # Named and cancelled already: cancelled, as far as this call is concerned.
+    cancelled = [s.rollout_id for s in states if refuse_ended and isinstance(s, RolloutState)
+                 and s.status is Status.CANCELLED]  # fmt: skip
     # A transaction per chunk, not one for all (store/bulk.py says what that gives up).
     for part in bulk.chunks(todo):
         cancelled += await _cancel_chunk(store, part, reason)

@@ -350,3 +350,20 @@ async def test_a_position_acknowledged_since_still_resumes(client: RolloutClient
     rest = [r.rollout_id async for r in client.results("b", after=first[-1].position)]
     assert rest == list(batch[2:])
     assert [r.rollout_id async for r in client.results("b", after=first[0].position)] == rest
+
+
+async def test_a_cancel_retried_as_it_was_is_not_refused(
+    client: RolloutClient, real_redis: aredis.Redis
+) -> None:
+    """A trainer whose cancel lost its reply (or was not confirmed by enough replicas:
+    ``--min-replicas-acked``) sends it again: rollouts it cancelled are not "ended" to it,
+    and the answer is the first one's. A rollout that ended otherwise still refuses it."""
+    batch = await client.submit([f.request()] * 3, batch_id="b")
+    first = await client.cancel(list(batch[:2]))
+    assert first == list(batch[:2])
+    before = await dump(real_redis)
+    assert await client.cancel(list(batch[:2])) == first
+    assert await dump(real_redis) == before  # nothing cancelled twice
+    await finish(client.store, batch[2])
+    with pytest.raises(RolloutEnded, match="done"):
+        await client.cancel(list(batch))
