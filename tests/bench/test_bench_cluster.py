@@ -43,7 +43,7 @@ FIGURES = (
 def test_a_small_run_reports_every_figure() -> None:
     result = figures(
         "bench_cluster.py", "--rollouts", "500", "--rounds", "1", "--commit", "128",
-        "--commits", "2", "--ack-rounds", "2", timeout=120,
+        "--commits", "2", "--ack-rounds", "2", "--fsync", "everysec", timeout=120,
     )  # fmt: skip
     assert_finite(result, FIGURES)
     assert all(result[name] > 0 for name in FIGURES)

@@ -14,6 +14,12 @@ from store import EventStore
 from store.connection import connect_cluster
 from store.redis_cluster import RedisCluster
 
+# Every node of a test's cluster fsyncs its AOF once a second, not per write: what these tests
+# check rides on replication (WAIT, failover), not on one node's disk, and six nodes fsyncing
+# every write starved the other tests' own redis-servers of the disk on a loaded CI run (a
+# lease renewal in tests/store/test_bulk.py waited 4.2 s). bench_cluster measures both.
+LIGHT = {"appendfsync": "everysec"}
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
@@ -26,7 +32,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     # No failover of its own under a loaded CI run: a node stalled for a second must not
     # look dead to the others (the tests that fail a master over start their own cluster).
-    with RedisCluster(tmp_path_factory.mktemp("cluster"), node_timeout_ms=5000) as c:
+    with RedisCluster(tmp_path_factory.mktemp("cluster"), node_timeout_ms=5000, config=LIGHT) as c:
         yield c
 
 

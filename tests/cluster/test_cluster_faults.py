@@ -22,6 +22,7 @@ from store.errors import StoreError
 from store.redis_cluster import RedisCluster
 from store.slots import key_slot
 from tests import factories as f
+from tests.cluster.conftest import LIGHT
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
@@ -88,7 +89,7 @@ class Writer:
 
 
 async def test_a_master_killed_mid_run_loses_no_acknowledged_token(tmp_path: Path) -> None:
-    with RedisCluster(tmp_path, node_timeout_ms=1000) as cluster:
+    with RedisCluster(tmp_path, node_timeout_ms=1000, config=LIGHT) as cluster:
         client = connect_cluster(cluster.url)
         store = EventStore(client, replicas_acked=1)
         writer = Writer(store, await _generating(store, 48))
@@ -120,7 +121,7 @@ async def test_a_master_killed_mid_run_loses_no_acknowledged_token(tmp_path: Pat
 
 
 async def test_slots_migrated_mid_run_lose_nothing(tmp_path: Path) -> None:
-    with RedisCluster(tmp_path, replicas=0) as cluster:
+    with RedisCluster(tmp_path, replicas=0, config=LIGHT) as cluster:
         client = connect_cluster(cluster.url)
         store = EventStore(client)
         writer = Writer(store, await _generating(store, 64))
@@ -152,7 +153,7 @@ async def test_a_master_down_for_good_fails_its_own_chains_alone(
     and every other master's chains are stored and answered as such (a worker retries only
     those that failed)."""
     monkeypatch.setattr(cluster_commit, "WINDOW_S", 1.0)
-    with RedisCluster(tmp_path, replicas=0, node_timeout_ms=1000) as cluster:
+    with RedisCluster(tmp_path, replicas=0, node_timeout_ms=1000, config=LIGHT) as cluster:
         client = connect_cluster(cluster.url)
         store = EventStore(client)
         states = await _generating(store, 48)

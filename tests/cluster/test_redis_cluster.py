@@ -11,12 +11,13 @@ import pytest
 import redis
 
 from store.redis_cluster import RedisCluster
+from tests.cluster.conftest import LIGHT
 
 pytestmark = pytest.mark.redis_server
 
 
 def test_a_cluster_forms_serves_every_slot_and_survives_a_master_killed(tmp_path: Path) -> None:
-    with RedisCluster(tmp_path, node_timeout_ms=1000) as cluster:
+    with RedisCluster(tmp_path, node_timeout_ms=1000, config=LIGHT) as cluster:
         assert len(cluster.master_ports()) == 3 and len(cluster.nodes) == 6
         assert cluster.url.startswith("redis+cluster://127.0.0.1:")
         client = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
@@ -39,7 +40,7 @@ def test_a_cluster_forms_serves_every_slot_and_survives_a_master_killed(tmp_path
 
 def test_one_master_is_formed_by_hand_with_its_replica(tmp_path: Path) -> None:
     # redis-cli --cluster create refuses fewer than 3 masters; bench_cluster compares 1, 3, 6.
-    with RedisCluster(tmp_path, masters=1, replicas=1) as cluster:
+    with RedisCluster(tmp_path, masters=1, replicas=1, config=LIGHT) as cluster:
         (master,) = cluster.master_ports()
         assert "cluster_slots_ok:16384" in cluster.cli(master, "CLUSTER", "INFO")
         client = redis.RedisCluster(host="127.0.0.1", port=master)
