@@ -12,7 +12,8 @@ import pytest
 from tests.bench.smoke import assert_finite, figures
 
 # Four clusters and a redis-server started and stopped: ~20-30 s on this 2-core machine.
-pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
+# In tests/store/test_bulk.py's group: its nodes must not share the machine with that test.
+pytestmark = [pytest.mark.redis_server, pytest.mark.slow, pytest.mark.xdist_group("redis-heavy")]
 
 FIGURES = (
     "load_max_over_mean",

@@ -1,7 +1,7 @@
 """Fixtures of the cluster tests: one Redis Cluster (3 masters, 3 replicas, each node its own
 redis-server and directory on loopback) per test process, shared by the tests that do not
 harm it; those that kill or reshape nodes start their own. Every cluster test is in one xdist
-group, so a CI run starts one shared cluster, not one per process."""
+group ("redis-heavy"), so a CI run starts one shared cluster, not one per process."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/cluster/" in item.nodeid:
             item.add_marker(pytest.mark.redis_server)
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+            # One group with tests/store/test_bulk.py, which measures Redis's CPU per call.
+            item.add_marker(pytest.mark.xdist_group("redis-heavy"))
 
 
 @pytest.fixture(scope="session")
