@@ -11,6 +11,7 @@ rq is synchronous, and so is everything here: async callers run it in a thread.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,6 +100,38 @@ def give_back(
          "1" if at_front else "0", *shared],
     )  # fmt: skip
     return bool(reply)
+
+
+def new_job_ids(count: int) -> list[str]:
+    """Job ids as rq makes them (random UUIDs), from one urandom call."""
+    random = os.urandom(16 * count)
+    return [str(uuid.UUID(bytes=random[16 * i : 16 * i + 16], version=4)) for i in range(count)]
+
+
+def push_jobs(
+    jobs: JobWriter,
+    named: Sequence[tuple[str, str]],
+    *,
+    at_front: bool = False,
+    hint: tuple[list[str], list[Any]] = ([], []),
+) -> int:
+    """Push a job for each (job id, rollout id) in ``named`` onto ``jobs``' queue, each job id
+    already recorded on its rollout's snapshot (the store step, first): the queue-side step
+    when the queue is on a Redis of its own (``store.queue_redis``). Repeatable: a job that
+    exists is not pushed again (``lua/push_jobs.lua``). ``hint``: a session's call's hint
+    list, as ``Affinity.hint`` gives it. How many were pushed now. Blocking (rq's
+    connection)."""
+    if not named:
+        return 0
+    queue = jobs.queue
+    shared = jobs.shared()
+    keys = [queue.key, Queue.redis_queues_keys, *(Job.key_for(j) for j, _ in named), *hint[0]]
+    args: list[Any] = [len(named), "1" if at_front else "0", len(shared)]
+    for name, value in shared.items():
+        args += [name, value]
+    for job_id, rid in named:
+        args += [job_id, jobs.data(rid), jobs.description(rid)]
+    return int(scripts.run_sync(queue.connection, scripts.PUSH_JOBS, keys, args + hint[1]))
 
 
 class JobWriter:

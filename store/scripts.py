@@ -359,6 +359,8 @@ EXPIRED_LEASES = Script(
 READ_LEASES = Script("read_leases", script_text("lease_grace") + script_text("read_leases"))
 REGISTER_PRESENCE = Script("register_presence")
 GIVE_BACK = Script("give_back")
+# The queue on a Redis of its own (store/queue_redis.py): jobs already named on the store.
+PUSH_JOBS = Script("push_jobs")
 # By its text: it goes inside the MULTI that pushes the job, where a NOSCRIPT would spoil it.
 RECORD_JOB = Script("record_job", by_text=True)
 REQUEUE_ABANDONED = Script("requeue_abandoned")
