@@ -131,13 +131,16 @@ class EnvironmentClient:
         lease_s: float = defaults.TOOL_LEASE_TTL_S,
         retries: int = defaults.TOOL_RETRIES,
         clock: Callable[[], float] = time.time,
+        queue_apart: bool = False,
     ) -> None:
+        """``connection``: the queue's Redis (rq's, synchronous); ``queue_apart``: it is not
+        the store's (``store.queue_redis``)."""
         self.store = store
         self.connection = connection
         self.lease_s = lease_s
         self.retries = retries
         self.clock = clock
-        self._jobs = TurnJobs(connection, store.keys)
+        self._jobs = TurnJobs(connection, store.keys, apart=queue_apart)
         # Episodes as this client's last report left them (oldest first, at most ``HOLD``):
         # a claim of their next call reads only the log's entries since (``store.since``).
         self._held: dict[str, Held] = {}
@@ -321,8 +324,13 @@ class EnvironmentClient:
             then = await self._turn_job(state, chain)
             try:
                 after = await self.store.append_chain(state, chain, then=then)
-            except SequenceConflict:
-                continue  # another event landed since the read: look at the call again
+            except BaseException as exc:
+                self._jobs.forget(claim.rollout_id)  # the queue apart: no job to push
+                if isinstance(exc, SequenceConflict):
+                    continue  # another event landed since the read: look at the call again
+                raise
+            # The queue apart (store.queue_redis): the next turn's job, once its result landed.
+            await self._jobs.push(self.store.redis, claim.rollout_id)
             if not after.terminal:
                 self._hold(after, codec.encode(chain[-1]))
             return after

@@ -83,7 +83,7 @@ class HarnessTurns:
         self.client = client
         self.store = client.store
         self.keys = client.keys
-        self.jobs = TurnJobs(client.sync_redis, client.keys)
+        self.jobs = TurnJobs(client.sync_redis, client.keys, apart=client.queue_apart)
 
     async def begin(self, session: str, batch_id: str, request: RolloutRequest) -> Turn:
         """The call ``batch_id`` of ``session``: its turn, recorded if it was not (``request``:
@@ -214,9 +214,14 @@ class HarnessTurns:
             then = await self.jobs.step(apply(state, event), fields)
             try:
                 await self.store.append_chain(state, [event], then=then)
-            except SequenceConflict:
-                state = None  # something landed since the read: look again
-                continue
+            except BaseException as exc:
+                self.jobs.forget(turn.rollout_id)  # the queue apart: no job to push
+                if isinstance(exc, SequenceConflict):
+                    state = None  # something landed since the read: look again
+                    continue
+                raise
+            # The queue apart (store.queue_redis): the turn's job, once its call landed.
+            await self.jobs.push(self.store.redis, turn.rollout_id)
             return turn
         return None
 

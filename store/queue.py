@@ -50,11 +50,24 @@ def enqueue_rollouts(
     *,
     at_front: bool = False,
     keys: Keys | None = None,
+    store: Redis | None = None,
 ) -> None:
     """Push one job per rollout id, all in one round trip. With ``keys``, each job is listed
     with its rollout's other jobs in the same transaction (``lua/record_job.lua``), so that
     acknowledging the rollout deletes it too: what a worker, the reaper's net or an operator
-    pushes for a rollout that exists."""
+    pushes for a rollout that exists. ``store``: the store's Redis when the queue is on
+    another (``store.queue_redis``): the jobs' ids are recorded there first, then the jobs
+    pushed (``push_jobs``)."""
+    if store is not None:
+        assert keys is not None, "the rollouts' keys say where their snapshots are"
+        named = list(zip(new_job_ids(len(rollout_ids)), rollout_ids, strict=True))
+        record = scripts.RECORD_JOB.invocation(by_text=True)
+        with store.pipeline(transaction=False) as pipe:
+            for job_id, rid in named:
+                pipe.execute_command(*record, 1, keys.snapshot(rid), job_id)  # type: ignore[no-untyped-call]
+            pipe.execute()
+        push_jobs(JobWriter(queue), named, at_front=at_front)
+        return
     with queue.connection.pipeline() as pipe:
         for rid in rollout_ids:
             job = queue.enqueue_call(
@@ -114,17 +127,19 @@ def push_jobs(
     *,
     at_front: bool = False,
     hint: tuple[list[str], list[Any]] = ([], []),
+    fields: dict[str, Any] | None = None,
 ) -> int:
     """Push a job for each (job id, rollout id) in ``named`` onto ``jobs``' queue, each job id
     already recorded on its rollout's snapshot (the store step, first): the queue-side step
     when the queue is on a Redis of its own (``store.queue_redis``). Repeatable: a job that
     exists is not pushed again (``lua/push_jobs.lua``). ``hint``: a session's call's hint
-    list, as ``Affinity.hint`` gives it. How many were pushed now. Blocking (rq's
+    list, as ``Affinity.hint`` gives it; ``fields``: more fields of every job's hash (a
+    session's, ``Affinity.job_fields``). How many were pushed now. Blocking (rq's
     connection)."""
     if not named:
         return 0
     queue = jobs.queue
-    shared = jobs.shared()
+    shared = {**jobs.shared(), **(fields or {})}
     keys = [queue.key, Queue.redis_queues_keys, *(Job.key_for(j) for j, _ in named), *hint[0]]
     args: list[Any] = [len(named), "1" if at_front else "0", len(shared)]
     for name, value in shared.items():

@@ -89,3 +89,13 @@ def check(url: str) -> str | None:
     finally:
         client.close()
     return None
+
+
+def check_each(*urls: str) -> str | None:
+    """``check`` for each distinct URL (the store's, the queue's when apart): the first
+    problem, or None."""
+    for url in dict.fromkeys(urls):
+        problem = check(url)
+        if problem is not None:
+            return problem
+    return None

@@ -17,6 +17,8 @@ import logging
 import time
 from typing import Protocol
 
+from redis.asyncio import Redis
+
 from store import EventStore, defaults
 from store import stats as fleet
 from store.errors import unwritable
@@ -71,6 +73,8 @@ class Beating(Protocol):
     def pause(self) -> DeploymentPause: ...
     @property
     def queue_keys(self) -> dict[str, str]: ...  # queue name -> its rq list (for its depth)
+    @property
+    def queue_redis(self) -> Redis | None: ...  # where those lists are (None: the store's)
 
 
 async def heartbeat(worker: Beating, rq: RqBridge, leases: Leases, stop: asyncio.Event) -> None:
@@ -113,7 +117,9 @@ async def heartbeat(worker: Beating, rq: RqBridge, leases: Leases, stop: asyncio
             if worker.metrics.served:
                 # Queue depth and weight lag: only for a scraper, and never per token.
                 await worker.metrics.refresh(
-                    worker.store.redis, worker.queue_keys, worker.weights_registry
+                    worker.queue_redis or worker.store.redis,
+                    worker.queue_keys,
+                    worker.weights_registry,
                 )
         except Exception as exc:
             refused = unwritable(exc)

@@ -49,12 +49,12 @@ from statemachine import (
     Status,
     commands,
 )
-from store import AppendRefused, EventStore, RolloutNotFound, defaults, stats
+from store import AppendRefused, EventStore, RolloutNotFound, defaults, scripts, stats
 from store.errors import StoreUnwritable, unwritable
 from store.leases import Leases
 from store.logs import log_event
 from store.presence import PresenceWatch
-from store.queue import JobWriter, give_back, rollout_queue
+from store.queue import JobWriter, give_back, new_job_ids, push_jobs, rollout_queue
 from store.tool_sweep import sweep_lost_calls, sweep_wall_time
 from workers.backoff import Backoff
 from workers.failures import record_failure, worker_lost_aborts
@@ -86,8 +86,11 @@ class Reaper:
         stats: Stats | None = None,
         presence: PresenceWatch | None = None,
         stranded: StrandedSweep | None = None,
+        queue_apart: bool = False,
     ) -> None:
         self.store = store
+        # rq's queue on a Redis of its own (store.queue_redis): a give back is ordered steps.
+        self.queue_apart = queue_apart
         # The net for rollouts left waiting with no job (None: not run by this reaper).
         self.stranded = stranded
         # Other workers' presence: None, leases are recovered when they expire, only.
@@ -276,7 +279,10 @@ class Reaper:
         # job in fact survived, the duplicate finds the rollout taken (or done) and does
         # nothing. A failure raises with the lease kept: a later pass finds it aborted and
         # only gives it back.
-        if not await asyncio.to_thread(self._give_back, state, expiry):
+        if self.queue_apart:
+            if not await self._give_back_apart(state, expiry):
+                return False
+        elif not await asyncio.to_thread(self._give_back, state, expiry):
             return False  # renewed meanwhile, or another reaper took it
         log_event(
             log, logging.WARNING, "reaped",
@@ -337,13 +343,30 @@ class Reaper:
 
     def _give_back(self, state: RolloutState, expiry: int) -> bool:
         """In a thread (rq's connection is synchronous): ``store.queue.give_back``."""
-        jobs = self._writers.get(state.queue)
+        snapshot = self.leases.keys.snapshot(state.rollout_id)
+        jobs = self._writer(state.queue)
+        return give_back(jobs, self.leases.key, snapshot, state.rollout_id, expiry, at_front=True)
+
+    async def _give_back_apart(self, state: RolloutState, expiry: int) -> bool:
+        """``give_back`` with the queue on a Redis of its own: the lease released if unchanged
+        (which of racing reapers gives it back), the job's id recorded on the snapshot, then
+        the job pushed. A failure or a crash after the release leaves the rollout waiting with
+        no job and no lease: the stranded sweep's to requeue (``workers.stranded``)."""
+        rid = state.rollout_id
+        if not await self.leases.release_if_unchanged(rid, expiry):
+            return False  # renewed meanwhile, or another reaper took it
+        [job_id] = new_job_ids(1)
+        await scripts.RECORD_JOB(self.store.redis, [self.store.keys.snapshot(rid)], [job_id])
+        jobs = await asyncio.to_thread(self._writer, state.queue)
+        await asyncio.to_thread(push_jobs, jobs, [(job_id, rid)], at_front=True)
+        return True
+
+    def _writer(self, name: str) -> JobWriter:
+        jobs = self._writers.get(name)
         if jobs is None:
             # Its template asks the server's version once: per queue, not per rollout.
-            queue = rollout_queue(self.connection, state.queue)
-            jobs = self._writers[state.queue] = JobWriter(queue)
-        snapshot = self.leases.keys.snapshot(state.rollout_id)
-        return give_back(jobs, self.leases.key, snapshot, state.rollout_id, expiry, at_front=True)
+            jobs = self._writers[name] = JobWriter(rollout_queue(self.connection, name))
+        return jobs
 
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
         """Pass after pass until ``stop`` is set (checked between passes, so a cancel that

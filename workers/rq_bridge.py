@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from redis.client import Pipeline
+from redis.exceptions import RedisError
 from rq import Queue
 from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
@@ -72,8 +73,14 @@ class RqBridge:
         *,
         execution_ttl_s: float = defaults.RQ_EXECUTION_TTL_S,
         keys: Keys | None = None,
+        store_url: str | None = None,
     ) -> None:
+        """``url``: the queue's Redis; ``store_url``: the store's, when it is another
+        (``store.queue_redis``): rollouts' snapshots are read there, never beside rq's keys."""
         self.connection = connect_sync(url)
+        # The store's Redis, for what rq's books check of a rollout (is it acknowledged?).
+        self.store_connection = connect_sync(store_url) if store_url else self.connection
+        self.apart = store_url is not None
         self.keys = keys or Keys()
         self.queues = [rollout_queue(self.connection, n) for n in queue_names]
         self.worker = InProcessWorker(
@@ -91,11 +98,15 @@ class RqBridge:
         self._successes = Coalescer(self._succeed_many)
         # The sweep of this worker's queues for jobs a dead worker held (on the books thread).
         self._stuck = StuckJobs(
-            self.connection, self.queues, lambda: self.worker.execution_ttl, self.keys
+            self.connection,
+            self.queues,
+            lambda: self.worker.execution_ttl,
+            self.keys,
+            self.store_connection,
         )
         self._closing = False  # set by ``close``: retries on the bookkeeping thread give up
         # rq's books for the jobs it started, kept as rq keeps them (on the books thread).
-        self.rq_books = RqBooks(self.worker, self.connection, self.keys)
+        self.rq_books = RqBooks(self.worker, self.connection, self.keys, self.store_connection)
         # Set once this worker started a session's call: only then can a session prefer it,
         # and only then does it claim hints and flag itself waiting (``workers.affinity``).
         self.preferable = False
@@ -231,7 +242,16 @@ class RqBridge:
         )
         if len(self.queues) == 1:  # the others never claim hints (``workers.affinity``)
             jobs = [job for job, _ in found]
-            if record_served(pipe, self.keys, self.worker.name, jobs):
+            if self.apart:  # the session's record is on the store: its own step (a hint)
+                with self.store_connection.pipeline(transaction=False) as served:
+                    if record_served(served, self.keys, self.worker.name, jobs):
+                        self.preferable = True
+                        try:
+                            served.execute()
+                        except RedisError:  # a hint unrecorded: the next call goes anywhere
+                            log.warning("could not record this worker as its sessions' own",
+                                        exc_info=True)  # fmt: skip
+            elif record_served(pipe, self.keys, self.worker.name, jobs):
                 self.preferable = True
         return [TakenJob(job, queue, execution) for job, queue, execution in started], pipe
 
@@ -385,3 +405,5 @@ class RqBridge:
             self._books_thread.shutdown(wait=False, cancel_futures=True)
             self._dequeue_thread.shutdown(wait=False, cancel_futures=True)
             self.connection.close()
+            if self.apart:
+                self.store_connection.close()

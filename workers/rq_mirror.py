@@ -221,12 +221,21 @@ def prepare_start(
 class RqBooks:
     """rq's books for the jobs one ``InProcessWorker`` started, kept as rq 3.0.0 keeps them.
     On the bridge's bookkeeping thread only. ``keys``: where a rollout's snapshot is (a
-    success checks that its rollout was not acknowledged meanwhile)."""
+    success checks that its rollout was not acknowledged meanwhile), on ``store`` (the
+    store's Redis; None: the queue's, ``connection``)."""
 
-    def __init__(self, worker: InProcessWorker, connection: Redis, keys: Keys) -> None:
+    def __init__(
+        self, worker: InProcessWorker, connection: Redis, keys: Keys, store: Redis | None = None
+    ) -> None:
         self.worker = worker
         self.connection = connection
         self.keys = keys
+        # With the queue apart (store.queue_redis) a success cannot check its rollout in its
+        # own transaction: it checks right after (``delete_acknowledged``). A worker killed
+        # in between leaves an acknowledged rollout's job finished, which rq deletes after
+        # JOB_RESULT_TTL_S (an hour): nothing of the rollout is kept, only the job's record.
+        self.store = store or connection
+        self.apart = store is not None and store is not connection
 
     def start(self, executions: list[Execution], last: Job, pipe: Pipeline) -> None:
         """The worker's state and heartbeat (its ttl judged by ``last``, the last job taken),
@@ -291,6 +300,9 @@ class RqBooks:
                     # The job is gone: its rollout was acknowledged first (see end_if_ours).
                     self.worker.cleanup_execution(r.job, pipeline=pipe, execution=r.execution)
             pipe.execute()
+        if self.apart:
+            self.delete_acknowledged([r for i, (r, _) in enumerate(items)
+                                      if outcomes[i] is None and i not in alone])  # fmt: skip
         for i in alone:
             r, result = items[i]
             try:
@@ -321,7 +333,7 @@ class RqBooks:
         job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
         job._status = JobStatus.FINISHED
         w.cleanup_execution(job, pipeline=pipe, execution=r.execution)
-        if r.rollout_id:
+        if r.rollout_id and not self.apart:
             # Acknowledged since ``whose`` was read (ack left the job started, ours): what
             # this transaction wrote goes again within it, not a round trip later, which a
             # worker killed meanwhile never sent (the job stayed finished for an hour).
@@ -344,7 +356,7 @@ class RqBooks:
         mine = [r for r in recorded if r.rollout_id]
         if not mine:
             return
-        with self.connection.pipeline(transaction=False) as pipe:
+        with self.store.pipeline(transaction=False) as pipe:
             for r in mine:
                 pipe.exists(self.keys.snapshot(r.rollout_id))
             alive = pipe.execute()

@@ -63,11 +63,13 @@ class StuckJobs:
         queues: list[Queue],
         execution_ttl: Callable[[], float],
         keys: Keys | None = None,
+        store: Redis | None = None,
     ) -> None:
         self.connection = connection
         self.queues = queues
         self.execution_ttl = execution_ttl
-        self.keys = keys or Keys()  # where the rollouts' snapshots are
+        self.keys = keys or Keys()  # where the rollouts' snapshots are: on ``store``
+        self.store = store or connection  # None: the queue's Redis is the store's
         # Stuck jobs whose give back failed: retried by a later sweep, after a backoff.
         self._retry = Backoff(defaults.REAP_RETRY_S, defaults.REAP_RETRY_MAX_S)
         self._swept: set[str] = set()  # the stuck jobs one sweep saw
@@ -171,7 +173,7 @@ class StuckJobs:
                 if (rid := rollout_of(self.connection, job_id, data))]  # fmt: skip
         if not ours:
             return []
-        with self.connection.pipeline(transaction=False) as pipe:
+        with self.store.pipeline(transaction=False) as pipe:
             for _, rid in ours:
                 pipe.exists(self.keys.snapshot(rid))
             alive = pipe.execute()

@@ -30,8 +30,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from redis import Redis as SyncRedis
+from rq import Queue
 
 from statemachine import LIVE, WAITING, Status
 from store import EventStore, defaults
@@ -56,9 +58,12 @@ class StrandedSweep:
         worker_id: str = "",
         check_s: float = defaults.STRANDED_CHECK_S,
         scan_max_s: float = defaults.STRANDED_SCAN_MAX_S,
+        store_connection: SyncRedis | None = None,
     ) -> None:
         self.store = store
         self.connection = connection  # rq's (synchronous) connection
+        # The store's, synchronous, when the queue is on a Redis of its own (None: the same).
+        self.store_connection = store_connection
         self.worker_id = worker_id
         self.check_s = check_s
         self.scan_max_s = scan_max_s
@@ -100,21 +105,38 @@ class StrandedSweep:
     async def shortfall(self) -> int:
         """Rollouts that need a job, less the jobs that would run them (<= 0: none hidden)."""
         keys = self.store.keys
+        live = [s.value for s in Status if s in LIVE or s in WAITING]
+        if self.store_connection is not None:
+            # The queue apart (store.queue_redis): counters and jobs read one after the
+            # other. A trigger only (the scan looks twice): no instant across both is needed.
+            counts = await self.store.redis.hmget(keys.stats(), live)  # type: ignore[misc]
+            jobs = await asyncio.to_thread(self._jobs_waiting)
+            return sum(int(c or 0) for c in counts) - jobs
         names = sorted(
             k.decode().removeprefix(_RQ_QUEUE_PREFIX)
             for k in await self.store.redis.smembers(_RQ_QUEUES)  # type: ignore[misc]
         )
         queues = [rollout_queue(self.connection, n) for n in names]
-        live = [s.value for s in Status if s in LIVE or s in WAITING]
         now = time.time()
         async with self.store.redis.pipeline(transaction=True) as pipe:
             pipe.hmget(keys.stats(), live)
             for q in queues:
-                pipe.llen(q.key)
-                pipe.llen(q.intermediate_queue_key)
-                pipe.zcount(q.started_job_registry.key, f"({now}", "+inf")
-            counts, *jobs = await pipe.execute()
-        return sum(int(c or 0) for c in counts) - sum(int(j) for j in jobs)
+                _count_jobs(pipe, q, now)
+            counts, *found = await pipe.execute()
+        return sum(int(c or 0) for c in counts) - sum(int(j) for j in found)
+
+    def _jobs_waiting(self) -> int:
+        """The jobs queued, being dequeued or started (alive) on every rq queue, read on the
+        queue's Redis in one MULTI."""
+        names = sorted(
+            k.decode().removeprefix(_RQ_QUEUE_PREFIX)
+            for k in self.connection.smembers(_RQ_QUEUES)  # type: ignore[union-attr]
+        )
+        now = time.time()
+        with self.connection.pipeline(transaction=True) as pipe:
+            for n in names:
+                _count_jobs(pipe, rollout_queue(self.connection, n), now)
+            return sum(int(j) for j in pipe.execute())
 
     async def scan(self) -> list[str]:
         """Find the waiting rollouts with no job (looked at twice) and requeue each."""
@@ -126,7 +148,12 @@ class StrandedSweep:
             try:
                 queue = rollout_queue(self.connection, s.queue)
                 await asyncio.to_thread(
-                    enqueue_rollouts, queue, [s.rollout_id], at_front=True, keys=self.store.keys
+                    enqueue_rollouts,
+                    queue,
+                    [s.rollout_id],
+                    at_front=True,
+                    keys=self.store.keys,
+                    store=self.store_connection,
                 )
             except Exception:
                 # Its enqueue refused (Redis out of memory): still stranded, so found again
@@ -165,3 +192,11 @@ class StrandedSweep:
                 failing = True
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.check_s)
+
+
+def _count_jobs(pipe: Any, q: Queue, now: float) -> None:
+    """Queue the reads of ``q``'s jobs that would run a rollout: queued, being dequeued, or
+    started and alive (rq scores its started registry by the expiry of each run)."""
+    pipe.llen(q.key)
+    pipe.llen(q.intermediate_queue_key)
+    pipe.zcount(q.started_job_registry.key, f"({now}", "+inf")

@@ -21,8 +21,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from redis.asyncio import Redis
+
 from statemachine import AbortReason, CodecError, CorruptRecord
-from store import EventStore, RolloutNotFound, defaults
+from store import EventStore, RolloutNotFound, defaults, queue_redis
 from store import stats as fleet
 from store.connection import connect
 from store.errors import unwritable
@@ -91,6 +93,9 @@ class WorkerConfig:
     # A checkpoint counts as saved once this many replicas confirm it (WAIT; 0: once Redis
     # has it). Short, it is retried like a write Redis refuses: tokens kept, none sent twice.
     min_replicas_acked: int = 0
+    # rq's queue, presence included, on a Redis of its own (store.queue_redis); None: the
+    # store's (``redis_url``).
+    queue_url: str | None = None
 
 
 class Worker:
@@ -111,6 +116,7 @@ class Worker:
         self.reaper: Reaper | None = None
         self.places = EnginePlaces(config.max_concurrency)  # replaced by each run's own
         self.queue_keys: dict[str, str] = {}  # queue name -> its rq list (for its depth)
+        self.queue_redis: Redis | None = None  # while running: where those lists are
         self._stopping = asyncio.Event()  # take no more jobs
         self._closing = asyncio.Event()  # background loops end
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -146,6 +152,11 @@ class Worker:
     async def run(self) -> Stats:
         cfg = self.config
         client = connect(cfg.redis_url)
+        apart = queue_redis.apart(cfg.redis_url, cfg.queue_url)
+        queue_url = cfg.queue_url if cfg.queue_url and apart else cfg.redis_url
+        # The queue's Redis holds rq's keys and the fleet's presence (queue depths are read
+        # there too); the store's holds everything durable.
+        self.queue_redis = connect(queue_url) if apart else client
         store = EventStore(client, replicas_acked=cfg.min_replicas_acked)
         checkpointer = self.checkpointer = Checkpointer(store, condition=self.condition)
         checkpointer.observe = self.metrics.checkpoint_seconds.observe
@@ -170,11 +181,12 @@ class Worker:
         )
         self.store = store
         rq = RqBridge(
-            cfg.redis_url,
+            queue_url,
             list(cfg.queues),
             cfg.name,
             execution_ttl_s=cfg.rq_execution_ttl_s,
             keys=self.store.keys,
+            store_url=cfg.redis_url if apart else None,
         )
         # How each job this run takes ends in rq's books (workers/job_endings.py).
         self.endings = JobEndings(
@@ -189,12 +201,15 @@ class Worker:
         # Before the first job: a worker started during a pause takes none (the heartbeat
         # keeps it current from here on).
         self.pause.follow(await PauseFlag(client, store.keys).current(), self.runner)
-        stranded = StrandedSweep(store, rq.connection, worker_id=cfg.name,
-                                 check_s=cfg.stranded_check_s)  # fmt: skip
+        stranded = StrandedSweep(
+            store, rq.connection, worker_id=cfg.name, check_s=cfg.stranded_check_s,
+            store_connection=rq.store_connection if apart else None,
+        )  # fmt: skip
         reaper = self.reaper = Reaper(
             store, leases, rq.connection, rq, max_worker_lost=cfg.max_worker_lost,
             worker_id=cfg.name, stats=self.stats,
-            presence=PresenceWatch(client, store.keys, me=cfg.name), stranded=stranded,
+            presence=PresenceWatch(self.queue_redis, store.keys, me=cfg.name), stranded=stranded,
+            queue_apart=apart,
         )  # fmt: skip
         # While Redis refuses writes the reaper's would be refused too; after, leases that
         # lapsed meanwhile get a grace to be renewed (defaults.STORE_REAP_GRACE_S).
@@ -202,7 +217,7 @@ class Worker:
         reaper.on_refused = stranded.on_refused = self.condition.refused
         # Subscribed while this process lives, on a connection of its own: the reapers see
         # its death the moment its kernel closes that connection (store/presence.py).
-        presence = Presence(cfg.redis_url, cfg.name, store.keys)
+        presence = Presence(queue_url, cfg.name, store.keys)
         self.queue_keys = {q: rollout_queue(rq.connection, q).key for q in cfg.queues}
         # Background loops stop on this event, checked every iteration: a cancel alone can
         # be lost inside redis-py (seen: 15 in 400 with socket_timeout set), and a worker
@@ -241,6 +256,8 @@ class Worker:
             await bounded(presence.close(), defaults.LOOP_STOP_S, "presence connection")
             await bounded(rq.close(), defaults.LOOP_STOP_S, "rq registration")
             await bounded(client.aclose(), defaults.LOOP_STOP_S, "redis client")
+            if apart:
+                await bounded(self.queue_redis.aclose(), defaults.LOOP_STOP_S, "queue client")
             log_event(
                 log, logging.INFO, "worker_stop",
                 f"worker {cfg.name} stopped: {self.stats.tokens} tokens generated",

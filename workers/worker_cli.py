@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from store import defaults, redis_options
+from store import defaults, queue_redis, redis_options
 from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
 from store.logs import add_log_format, log_event
@@ -64,6 +64,7 @@ def command(
 
 def configure(parser: argparse.ArgumentParser) -> None:
     redis_options.add_arguments(parser, otherwise=DEFAULT_URL)
+    queue_redis.add_argument(parser)
     parser.add_argument(
         "--engine",
         choices=ENGINES,
@@ -200,10 +201,16 @@ def run(args: argparse.Namespace) -> int:
     except InvalidRedisUrl as exc:
         # Its message names the file and never the URL.
         return _refuse(str(exc))
-    problem = redis_options.check(redis_url)
+    try:
+        queue_url = queue_redis.resolve(redis_url, args.queue_redis)
+    except InvalidRedisUrl as exc:
+        return _refuse(str(exc))
+    problem = redis_options.check_each(redis_url, queue_url)
     if problem is not None:
         return _refuse(problem)
     log.info("Redis at %s", redact(redis_url))
+    if queue_url != redis_url:
+        log.info("rq's queue on Redis at %s", redact(queue_url))
     # Before the engine (minutes for vLLM): a port already taken is known at once.
     metrics = WorkerMetrics(engine=args.engine)
     if args.metrics_port is not None:
@@ -238,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         model_id=args.model_id,
         stepped=None if args.engine_steps else False,
         min_replicas_acked=args.min_replicas_acked,
+        queue_url=queue_url,
         **extra,
     )
     worker = Worker(config, engine, metrics)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 
 from statemachine.episode import DEFAULT_ENV_QUEUE
-from store import EventStore, defaults, redis_options
+from store import EventStore, defaults, queue_redis, redis_options
 from store.connection import DEFAULT_URL, connect, connect_sync, redact
 from store.environment import EnvironmentClient
 from store.errors import InvalidRedisUrl, InvalidRolloutId
@@ -38,6 +38,7 @@ def command(
 
 def configure(parser: argparse.ArgumentParser) -> None:
     redis_options.add_arguments(parser, otherwise=DEFAULT_URL)
+    queue_redis.add_argument(parser)  # where a tool result's next turn's job goes
     parser.add_argument(
         "--tools",
         action="append",
@@ -102,9 +103,10 @@ def run(args: argparse.Namespace) -> int:
     tools = load_tools(args.tools)
     try:
         url = redis_options.resolve(args) or DEFAULT_URL
+        queue_url = queue_redis.resolve(url, args.queue_redis)
     except InvalidRedisUrl as exc:
         return _refuse(str(exc))  # its message names the file, never the URL
-    problem = redis_options.check(url)
+    problem = redis_options.check_each(url, queue_url)
     if problem is not None:
         return _refuse(problem)
     log.info("Redis at %s", redact(url))
@@ -118,9 +120,10 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         client = connect(url, client_name="rollouts-env")
-        sync = connect_sync(url)
+        sync = connect_sync(queue_url)  # rq's: the next turns' jobs
         env = EnvironmentClient(EventStore(client), sync, lease_s=config.lease_s,
-                                retries=args.retries)  # fmt: skip
+                                retries=args.retries,
+                                queue_apart=queue_redis.apart(url, queue_url))  # fmt: skip
         runner = EnvRunner(env, tools, config)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

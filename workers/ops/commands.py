@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from statemachine import RolloutState
-from store import lifecycle, redis_options
+from store import lifecycle, queue_redis, redis_options
 from store.client import RolloutClient
 from store.connection import DEFAULT_URL, connect_sync
 from store.errors import InvalidRedisUrl, RolloutNotFound
@@ -47,6 +47,7 @@ class OperatorError(WorkerError):
 # -- argparse ---------------------------------------------------------------------------------
 def common_arguments(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
     redis_options.add_arguments(parser, otherwise=DEFAULT_URL)
+    queue_redis.add_argument(parser)
     if json_flag:
         parser.add_argument("--json", action="store_true", help="print JSON for scripts (a switch)")
 
@@ -96,12 +97,13 @@ Action = Callable[[RolloutClient, Any, argparse.Namespace], Awaitable[int]]
 def run_action(action: Action, args: argparse.Namespace) -> int:
     try:
         url = redis_options.resolve(args) or DEFAULT_URL
+        queue_url = queue_redis.resolve(url, args.queue_redis)
     except InvalidRedisUrl as exc:
         raise OperatorError(str(exc), 2) from exc  # names the file, never the URL
 
     async def go() -> int:
-        client = RolloutClient(url)
-        conn = connect_sync(url)  # rq's (synchronous) view: queues, registries, jobs
+        client = RolloutClient(url, queue_url=queue_url)
+        conn = connect_sync(queue_url)  # rq's (synchronous) view: queues, registries, jobs
         try:
             return await action(client, conn, args)
         finally:

@@ -139,9 +139,12 @@ def _not_waiting(now: RolloutNow) -> str | None:
 
 async def _enqueue(client: RolloutClient, conn: Any, queue: str, ids: list[str]) -> None:
     # As the reaper gives a lost worker's rollout back: at the front of its own queue.
+    # With the queue apart (store.queue_redis), the jobs' ids are recorded on the store first.
+    store = client.sync_store if client.queue_apart else None
     await asyncio.to_thread(
-        enqueue_rollouts, rollout_queue(conn, queue), ids, at_front=True, keys=client.keys
-    )
+        enqueue_rollouts, rollout_queue(conn, queue), ids, at_front=True, keys=client.keys,
+        store=store,
+    )  # fmt: skip
 
 
 def _did(args: argparse.Namespace) -> str:
