@@ -1,0 +1,174 @@
+"""rq's queue on a Redis of its own (``--queue-redis``, store/queue_redis.py), with real worker
+processes on two real redis-servers: every rollout finishes once with the tokens of an
+uninterrupted run, a worker SIGKILLed mid-run is seen gone through presence on the queue's
+Redis and its rollouts are given back in ordered steps, rq's keys never land on the store's
+Redis nor the store's on the queue's, and the queue's Redis lost outright (killed, its data
+deleted, started empty) is rebuilt from the store by `rollouts requeue --all-waiting`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from statemachine import Status
+from store.client import RolloutClient
+from store.event_store import JOB
+from store.redis_server import RedisServer
+from tests.ops.test_ops_cli import cli, run_cli
+from tests.ops.test_requeue import _check_ran_once, _generating, _requests
+from tests.workers.helpers import SYNTHETIC, start_worker, stop, until
+from workers.engines.synthetic import SyntheticEngine
+from workers.worker import Worker, WorkerConfig
+
+pytestmark = pytest.mark.redis_server
+
+FAST = ("--lease-ttl", "2", "--heartbeat", "0.25")
+
+
+@pytest.fixture
+def queue_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """The queue's own redis-server, beside the store's (``server``)."""
+    with RedisServer(tmp_path / "queue-redis") as s:
+        yield s
+
+
+def _keys(conn: Redis) -> list[str]:
+    return sorted(k.decode() for k in conn.scan_iter(count=1000))
+
+
+def _check_apart(store: Redis, queue: Redis) -> None:
+    """No rq key on the store's Redis; on the queue's, only rq's keys and what lives with them
+    (the fleet's presence, the workers' affinity hints)."""
+    assert [k for k in _keys(store) if k.startswith("rq:")] == []
+    queue_side = ("rq:", "dr:presence", "dr:worker:")
+    assert [k for k in _keys(queue) if not k.startswith(queue_side)] == []
+
+
+async def test_workers_with_the_queue_apart_survive_a_sigkill_and_keep_the_keys_apart(
+    server: RedisServer, queue_server: RedisServer, tmp_path: Path
+) -> None:
+    url, qurl = server.url, queue_server.url
+    client = RolloutClient(url, queue_url=qurl)
+    store, queue = Redis.from_url(url), Redis.from_url(qurl)
+    reqs = _requests(6, 48)
+    ids = await client.submit(reqs, batch_id="apart")
+    assert queue.llen("rq:queue:rollouts") == len(ids)
+    _check_apart(store, queue)
+    # a runs two rollouts slowly and is SIGKILLed once it saved tokens of both; b, watching
+    # presence on the queue's Redis, sees its connection close and gives them back.
+    a = start_worker(url, SYNTHETIC, "a", tmp_path / "a.log", *FAST, "--queue-redis", qurl,
+                     concurrency=2, synthetic={"token_delay_s": 0.05})  # fmt: skip
+    b = None
+    try:
+        await until(lambda: _two_generating(client, ids), what="worker a never saved")
+        live = await _generating(client, ids, 8)
+        a.send_signal(signal.SIGKILL)
+        a.wait(10)
+        b = start_worker(url, SYNTHETIC, "b", tmp_path / "b.log", *FAST, "--queue-redis", qurl,
+                         concurrency=4, synthetic={"token_delay_s": 0.0})  # fmt: skip
+        await _check_ran_once(client, reqs, ids, set(live))
+        _check_apart(store, queue)
+    finally:
+        stop(a, *([b] if b else []))
+    report = await client.ack(ids)
+    assert sorted(report.acked) == sorted(ids)
+    # Nothing of the acknowledged rollouts stays on either Redis: their jobs went with them.
+    assert [k for k in _keys(queue) if k.startswith("rq:job:")] == []
+    assert [k for k in _keys(store) if ":apart." in k] == []
+    store.close()
+    queue.close()
+    await client.aclose()
+
+
+async def _two_generating(client: RolloutClient, ids: list[str]) -> bool:
+    return len(await _generating(client, ids, 8)) == 2
+
+
+def _lose(queue_server: RedisServer) -> None:
+    """The queue's Redis lost outright: SIGKILLed, its data deleted, started again empty."""
+    queue_server.stop(kill=True)
+    for item in queue_server.data_dir.iterdir():
+        if item.name != "redis.log":
+            shutil.rmtree(item) if item.is_dir() else item.unlink()
+    queue_server.start()
+
+
+async def test_the_queues_redis_lost_is_rebuilt_from_the_store(
+    server: RedisServer, queue_server: RedisServer, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    url, qurl = server.url, queue_server.url
+    client = RolloutClient(url, queue_url=qurl)
+    reqs = _requests(4, 64)
+    ids = await client.submit(reqs, batch_id="lost")
+    # 50 ms a token: the two rollouts it runs generate for ~3 s, the other two wait.
+    w = start_worker(url, SYNTHETIC, "w", tmp_path / "w.log", *FAST, "--queue-redis", qurl,
+                     concurrency=2, synthetic={"token_delay_s": 0.05})  # fmt: skip
+    try:
+        await until(lambda: _two_generating(client, ids), what="worker w never saved")
+        live = await _generating(client, ids, 8)
+        _lose(queue_server)
+        queue = Redis.from_url(qurl)
+        assert queue.llen("rq:queue:rollouts") == 0
+        # The operator's command, in a process of its own: the waiting two get a job each,
+        # listed on their snapshots on the store; the live two are left to their worker.
+        done = run_cli("requeue", "--all-waiting", "--redis", url, "--queue-redis", qurl)
+        assert done.returncode == 0, done.stderr
+        *lines, summary = done.stdout.splitlines()
+        waiting = sorted(set(ids) - set(live))
+        assert sorted(line.split()[1] for line in lines) == waiting, done.stdout
+        assert summary == "requeued 2 waiting rollouts"
+        assert queue.llen("rq:queue:rollouts") == 2
+        store = Redis.from_url(url)
+        for rid in waiting:
+            listed = store.hget(client.keys.snapshot(rid), JOB)
+            assert listed is not None and len(listed.split()) == 2  # the submit's, the new one
+        await _check_ran_once(client, reqs, ids, set())
+        code, out, _ = await cli(capsys, "stuck", "--redis", url, "--queue-redis", qurl)
+        assert (code, out) == (0, "no stuck rollouts\n")
+        statuses = {(await client.store.head(rid)).status for rid in ids}
+        assert statuses == {Status.DONE}
+        store.close()
+        queue.close()
+    finally:
+        stop(w)
+    await client.aclose()
+
+
+async def test_with_no_operator_the_stranded_net_rebuilds_a_lost_queue_apart(
+    server: RedisServer, queue_server: RedisServer
+) -> None:
+    # The net's shortfall reads the counters on the store and the jobs on the queue's Redis:
+    # with every job gone it scans and requeues the waiting rollouts (store first, then the
+    # queue); the one generating finishes where it runs.
+    url, qurl = server.url, queue_server.url
+    client = RolloutClient(url, queue_url=qurl)
+    reqs = _requests(4, 48)
+    ids = await client.submit(reqs, batch_id="net")
+    config = WorkerConfig(redis_url=url, queue_url=qurl, name="w", max_concurrency=1,
+                          stranded_check_s=0.2)  # fmt: skip
+    worker = Worker(config, SyntheticEngine(tokens_per_chunk=1, token_delay_s=0.02))
+    task = asyncio.create_task(worker.run())
+    queue = Redis.from_url(qurl)
+    try:
+        await until(lambda: _one_generating(client, ids), what="the worker never saved")
+        queue.flushall()
+        await _check_ran_once(client, reqs, ids, set())
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 60)
+    assert worker.reaper is not None and worker.reaper.stranded is not None
+    assert worker.reaper.stranded.requeued == len(ids) - 1  # all but the live one
+    queue.close()
+    await client.aclose()
+
+
+async def _one_generating(client: RolloutClient, ids: list[str]) -> bool:
+    return len(await _generating(client, ids, 8)) == 1
