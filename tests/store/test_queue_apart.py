@@ -239,3 +239,53 @@ async def test_one_redis_is_not_apart(redis_server: RedisServer) -> None:
         assert not same.queue_apart and same.sync_store is same.sync_redis
     finally:
         await same.aclose()
+
+
+async def test_a_failure_between_chunks_is_repaired_by_the_retry(
+    apart: RolloutClient, dbs: tuple[aredis.Redis, aredis.Redis],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The second chunk fails while it is built: the first is recorded on the store and, the
+    queue step never reached, enqueued by nobody; the retry enqueues every rollout once."""
+    from store import submit_apart
+
+    real = submit_apart.chunk_call
+    calls = {"n": 0}
+
+    def flaky(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ConnectionError("Redis went away between chunks")
+        return real(*args)
+
+    monkeypatch.setattr(submit_apart, "chunk_call", flaky)
+    prompts = [f.request()] * 5
+    with pytest.raises(ConnectionError):
+        await apart.submit(prompts, n=120, batch_id="big")  # 600 rollouts: 3 chunks
+    assert queued(apart) == []
+    assert (await apart.stats()).by_state[Status.PENDING] == 250
+    monkeypatch.setattr(submit_apart, "chunk_call", real)
+    batch = await apart.submit(prompts, n=120, batch_id="big")
+    assert sorted(queued(apart)) == sorted(batch) and len(batch) == 600
+    await _separate(dbs)
+
+
+async def test_a_store_step_run_twice_answers_dup_with_status_and_job(
+    apart: RolloutClient, dbs: tuple[aredis.Redis, aredis.Redis]
+) -> None:
+    """What a windowed call whose reply was lost meets when it runs again: "dup", with the
+    rollout's status and the job id it recorded the first time."""
+    from store import scripts, submit_apart
+    from store.batches import _chunks
+
+    store, _ = dbs
+    events = [f.submitted(f"r{i}") for i in range(2)]
+    part = next(_chunks(apart.store, events, 250, 1 << 20))
+    keys, args = submit_apart.chunk_call(apart.keys, part)
+    first = scripts.run_sync(apart.sync_store, scripts.SUBMIT_CHUNK, keys, args)
+    again = scripts.run_sync(apart.sync_store, scripts.SUBMIT_CHUNK, keys, args)
+    assert [r[:2] for r in first] == [[b"ok", b"pending"]] * 2
+    assert again == [[b"dup", b"pending", r[2]] for r in first]
+    for e, r in zip(events, first, strict=True):
+        assert await store.hget(apart.keys.snapshot(e.rollout_id), "job") == r[2]
+    assert await store.hget(apart.keys.stats(), "pending") == b"2"
