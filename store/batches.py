@@ -28,8 +28,10 @@ Order and atomicity (the choice issue 13 asks to explain):
    for both.
 
 A retry after a failure between chunks finds the earlier chunks recorded (same requests) and
-writes the rest. One script per chunk rather than a transaction of per-rollout commands: the
-client's cost is per reply, and 10,000 rollouts are ~20 replies.
+writes the rest. With the queue on a Redis of its own (``store.queue_redis``), step 3 is two
+ordered steps, store first (``store.submit_apart``), and every read of steps 1 and 2 is the
+store's connection's, never rq's. One script per chunk rather than a transaction of per-rollout
+commands: the client's cost is per reply, and 10,000 rollouts are ~20 replies.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from rq import Queue
 from rq.job import Job
 
 from statemachine import Submitted, codec
-from store import defaults, scripts
+from store import defaults, scripts, submit_apart
 from store.affinity import Affinity
 from store.errors import RolloutExists, StoreError
 from store.event_store import FIRST, EventStore, submitted_record
@@ -122,8 +124,11 @@ def record(
     chunk_bytes: int = defaults.SUBMIT_CHUNK_BYTES,
     affinity: Affinity | None = None,
     jobs: JobWriter | None = None,
+    apart: bool = False,
 ) -> bool:
     """Record ``submission`` and enqueue its new rollouts (blocking: rq is synchronous).
+    ``conn``: the store's (sync) connection; ``apart``: the queue (``queue.connection``) is on
+    a Redis of its own, pushed to after the store step (``store.submit_apart``).
     Whether this call created the batch (False: a retry found it recorded). The rollouts'
     admitted weight version is the newest one published when the batch record is written
     (``submission``'s own is replaced). ``affinity``: a session's call, whose jobs carry
@@ -146,8 +151,13 @@ def record(
         new = _new_rollouts(conn, keys, submission, chunk)
     elif named_ids:  # looked up before the version was read
         new = [replace(e, admitted_version=version) for e in new]
-    _write(conn, store, submission, None if fresh else new, jobs or JobWriter(queue), affinity,
-           chunk, chunk_bytes)  # fmt: skip
+    jobs = jobs or JobWriter(queue)
+    _write(conn, store, submission, None if fresh else new, jobs, affinity, chunk, chunk_bytes,
+           apart=apart)  # fmt: skip
+    if apart and not fresh:  # a retry: those recorded before may lack their job (a crash)
+        written = {e.rollout_id for e in new}
+        found = [rid for rid in submission.ids if rid not in written]
+        submit_apart.repush(conn, jobs, keys, found, affinity, chunk)
     return created
 
 
@@ -160,9 +170,12 @@ def _write(
     affinity: Affinity | None,
     chunk: int = defaults.SUBMIT_CHUNK,
     chunk_bytes: int = defaults.SUBMIT_CHUNK_BYTES,
+    *,
+    apart: bool = False,
 ) -> None:
     """Steps 3 and 4: the ``new`` rollouts (all of the submission's, None: a batch this
-    submit created) recorded and enqueued, chunk by chunk."""
+    submit created) recorded and enqueued, chunk by chunk; ``apart``: every chunk recorded on
+    the store (``conn``), then enqueued on the queue's Redis (``store.submit_apart``)."""
     parts: list[list[Submitted]] = []
 
     def calls() -> Iterator[tuple[list[str], list[Any]]]:
@@ -171,9 +184,14 @@ def _write(
         events = (submission.event(k) for k in range(len(submission))) if new is None else new
         for part in _chunks(store, events, chunk, chunk_bytes):
             parts.append([cast(Submitted, p.event) for p in part])
-            yield _chunk_call(store.keys, jobs, part, affinity)
+            if apart:
+                yield submit_apart.chunk_call(store.keys, part)
+            else:
+                yield _chunk_call(store.keys, jobs, part, affinity)
 
     replies = scripts.run_windowed_sync(conn, scripts.SUBMIT_CHUNK, calls())
+    if apart:
+        replies = submit_apart.push(jobs, store.keys, parts, replies, affinity)
     raced = [
         e
         for part, statuses in zip(parts, replies, strict=True)
@@ -187,6 +205,8 @@ def _write(
     # ones recorded; nothing more to do for them.
     if raced:
         _new_rollouts(conn, store.keys, raced, chunk)
+        if apart:  # the racer may have died before its queue step
+            submit_apart.repush(conn, jobs, store.keys, [e.rollout_id for e in raced], affinity)
 
 
 def _retry(
@@ -230,6 +250,7 @@ def _created(submission: Submission, reply: list[bytes]) -> tuple[bool, int]:
 
 async def record_async(
     redis: AsyncRedis,
+    conn: Redis,
     queue: Queue,
     store: EventStore,
     submission: Submission,
@@ -237,17 +258,19 @@ async def record_async(
     retention_s: int,
     affinity: Affinity | None,
     jobs: JobWriter,
+    apart: bool = False,
 ) -> bool:
     """``record`` for asyncio code: a submission of generated ids that fits one chunk (a
     harness's call) goes on the client's own connection, one script call after another, with
     no thread (handing a submit to a thread and back cost the API more CPU than the submit's
     own commands); anything else runs ``record`` in a thread. The same steps in the same
-    order either way (see the module's docstring)."""
-    conn = queue.connection
-    if named_ids or len(submission) > defaults.SUBMIT_CHUNK:
+    order either way (see the module's docstring). ``conn``: the store's sync connection;
+    ``apart``: the queue is on a Redis of its own, whose step is rq's synchronous connection's
+    (``store.queue.push_jobs``): all of it in a thread then."""
+    if apart or named_ids or len(submission) > defaults.SUBMIT_CHUNK:
         return await asyncio.to_thread(record, conn, queue, store, submission,
                                        named_ids=named_ids, retention_s=retention_s,
-                                       affinity=affinity, jobs=jobs)  # fmt: skip
+                                       affinity=affinity, jobs=jobs, apart=apart)  # fmt: skip
     call = _create_call(store.keys, queue, submission, False, retention_s)
     created, version = _created(submission, await scripts.CREATE_BATCH(redis, *call))
     submission = replace(submission, admitted_version=version)

@@ -3,21 +3,29 @@ acknowledge, publish weights, read stats (a training step: the README's "A train
 
 ``RolloutClient`` is asyncio and is the one place these operations live (the HTTP API calls
 it); ``SyncRolloutClient`` offers the same calls to a synchronous trainer loop by running the
-async client on a private event-loop thread.
+async client on a private event-loop thread (``store.sync_client``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import AsyncIterator, Sequence
 
 from statemachine import GroupPolicy, RolloutState, SamplingParams
-from store import batches, bulk, completions, defaults, lifecycle, sessions, submission, waiting
+from store import (
+    batches,
+    bulk,
+    completions,
+    defaults,
+    lifecycle,
+    queue_redis,
+    sessions,
+    submission,
+    waiting,
+)  # fmt: skip
 from store.batches import BatchConflict, BatchInfo
 from store.completions import UnknownPosition, WaitTimeout
 from store.connection import connect, connect_sync
@@ -31,11 +39,9 @@ from store.results import GroupResult, RolloutResult, Tokenizer
 from store.sessions import SessionCall
 from store.stats import Stats, read_stats
 from store.submission import Batch, ChatTemplater, Prompt
+from store.sync_client import SyncRolloutClient
 from store.trajectory import Trajectory, load_trajectory
 from store.weights import WeightRegistry, WeightVersion
-
-T = TypeVar("T")
-P = ParamSpec("P")
 
 __all__ = ["AckReport", "Batch", "BatchConflict", "RolloutClient", "RolloutEnded", "SessionCall",
            "StoreUnwritable", "SyncRolloutClient", "Trajectory", "UnknownPosition",
@@ -47,6 +53,7 @@ class RolloutClient:
         self,
         url: str,
         *,
+        queue_url: str | None = None,
         queue_name: str = defaults.QUEUE_NAME,
         keys: Keys | None = None,
         tokenizer: Tokenizer | None = None,
@@ -54,16 +61,22 @@ class RolloutClient:
         max_tokens_cap: int | None = defaults.MAX_TOKENS_CAP,
         min_replicas_acked: int = 0,
     ) -> None:
-        """``min_replicas_acked``: a write counts as done once that many replicas have it
+        """``queue_url``: rq's queue, when not on the store's Redis (``store.queue_redis``);
+        ``min_replicas_acked``: a write counts as done once that many replicas have it
         (``store.replicas``), else it raises ``ReplicasNotAcked``; retry it as it was."""
         self.redis = connect(url)
         self.min_replicas_acked = min_replicas_acked
         self.store = EventStore(self.redis, keys, replicas_acked=min_replicas_acked)
         self.keys = self.store.keys
         self.weights = WeightRegistry(self.redis, keys)
-        # rq is synchronous: it gets its own (sync) connection, used from a thread (and shared
-        # by an EnvironmentClient beside this client, for its rq job templates: store.api).
-        self.sync_redis = connect_sync(url)
+        # rq is synchronous: it gets its own (sync) connection to the queue's Redis, used from a
+        # thread (and shared by an EnvironmentClient beside this client, for its rq job
+        # templates: store.api). Apart, the submit's store reads and step get one of their
+        # own (sync_store), and ack and stats reach the queue on an asyncio one (queue_redis).
+        self.queue_apart = queue_redis.apart(url, queue_url)
+        self.sync_redis = connect_sync(queue_url or url)
+        self.sync_store = connect_sync(url) if self.queue_apart else self.sync_redis
+        self.queue_redis = connect(queue_url or url) if self.queue_apart else self.redis
         self._queue = rollout_queue(self.sync_redis, queue_name)
         self._jobs: JobWriter | None = None
         self.tokenizer = tokenizer
@@ -115,8 +128,8 @@ class RolloutClient:
         try:
             # Shielded: a cancelled caller leaves the record to finish, not half written.
             created = await asyncio.shield(batches.record_async(
-                self.redis, self._queue, self.store, s, ids is not None, self.retention_s,
-                affinity, self._jobs))  # fmt: skip
+                self.redis, self.sync_store, self._queue, self.store, s, ids is not None,
+                self.retention_s, affinity, self._jobs, self.queue_apart))  # fmt: skip
         except BatchConflict:
             if noted:  # nothing of this submit was written: nor is its session's entry
                 await sessions.unnote(self.redis, self.keys, session, s.batch_id)  # type: ignore[arg-type]
@@ -296,7 +309,9 @@ class RolloutClient:
             return await sessions.ack(self.redis, self.keys, session, self.ack, self.store)
         targets = await self._targets(ids, batch_id, group)
         owners = await self._batches_of(targets, batch_id)
-        report = await lifecycle.ack(self.store, targets, owners)
+        report = await lifecycle.ack(
+            self.store, targets, owners, queue=self.queue_redis if self.queue_apart else None
+        )
         if batch_id is not None and group is None and not report.live:
             # UNLINK: a stream whose entries outlived their rollouts (expired) is freed in
             # the background, not while Redis serves no one else.
@@ -314,11 +329,15 @@ class RolloutClient:
 
     async def stats(self) -> Stats:
         """Rollouts by state, tokens, queue depths and live workers, in one round trip."""
-        return await read_stats(self.redis, self.keys)
+        return await read_stats(self.redis, self.keys, self.queue_redis if self.queue_apart
+                                else None)  # fmt: skip
 
     async def aclose(self) -> None:
         await self.redis.aclose()
         self._queue.connection.close()
+        if self.queue_apart:
+            await self.queue_redis.aclose()
+            self.sync_store.close()
 
     # -- helpers ------------------------------------------------------------------------------
     async def _results(
@@ -381,69 +400,3 @@ class RolloutClient:
 
 def _ordered(members: dict[int, RolloutResult]) -> list[RolloutResult]:
     return [members[i] for i in sorted(members)]
-
-
-class SyncRolloutClient:
-    """The same client for synchronous code: each call blocks until its result is ready;
-    the streaming calls (``results``, ``groups``) are plain iterators."""
-
-    def __init__(self, url: str, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self._client: RolloutClient = self._call(_make(url, kwargs))
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def _iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
-        while True:
-            try:
-                yield self._call(agen.__anext__())  # type: ignore[arg-type]
-            except StopAsyncIteration:
-                return
-
-    def submit(self, prompts: Sequence[Prompt], **kw: Any) -> Batch:
-        return self._call(self._client.submit(prompts, **kw))
-
-    def results(self, batch_id: str, **kw: Any) -> Iterator[RolloutResult]:
-        return self._iterate(self._client.results(batch_id, **kw))
-
-    def groups(self, batch_id: str, **kw: Any) -> Iterator[GroupResult]:
-        return self._iterate(self._client.groups(batch_id, **kw))
-
-    def wait(self, ids: Sequence[str], **kw: Any) -> list[RolloutResult]:
-        return self._call(self._client.wait(ids, **kw))
-
-    def result(self, rollout_id: str) -> RolloutResult:
-        return self._call(self._client.result(rollout_id))
-
-    def cancel(self, ids: Sequence[str] | None = None, **kw: Any) -> list[str]:
-        return self._call(self._client.cancel(ids, **kw))
-
-    def ack(self, ids: Sequence[str] | None = None, **kw: Any) -> AckReport:
-        return self._call(self._client.ack(ids, **kw))
-
-    def batches(self) -> list[str]:
-        return self._call(self._client.batches())
-
-    def session(self, session_id: str) -> list[SessionCall]:
-        return self._call(self._client.session(session_id))
-
-    def trajectory(self, session_id: str) -> Trajectory:
-        return self._call(self._client.trajectory(session_id))
-
-    def stats(self) -> Stats:
-        return self._call(self._client.stats())
-
-    def publish_weights(self, version: int, path: str) -> WeightVersion:
-        return self._call(self._client.publish_weights(version, path))
-
-    def close(self) -> None:
-        self._call(self._client.aclose())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-
-
-async def _make(url: str, kwargs: dict[str, Any]) -> RolloutClient:
-    return RolloutClient(url, **kwargs)

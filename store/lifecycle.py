@@ -7,7 +7,8 @@ stops generating it, and keeps nothing it had not saved. The tokens already save
 log and come back with the result.
 
 Acknowledge deletes an ended rollout's log, snapshot, completion entry and rq job in one
-script (``lua/ack.lua``); a rollout that has not ended is never deleted.
+script (``lua/ack.lua``); a rollout that has not ended is never deleted. With the queue on a
+Redis of its own, the jobs go first, on the queue, then the rest (``store.ack_apart``).
 
 Both go to Redis ``BULK_CHUNK`` rollouts at a time (``store.bulk``): a whole batch's worth in
 one transaction would keep every other client (the workers' lease renewals) waiting.
@@ -20,8 +21,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from redis.asyncio import Redis
+
 from statemachine import RolloutState, Status, commands
-from store import bulk, scripts
+from store import ack_apart, bulk, scripts
 from store.errors import AppendRefused, RolloutNotFound, SequenceConflict, StoreError
 from store.event_store import EventStore, read_head, submitted_record
 
@@ -123,15 +126,25 @@ async def _cancel_chunk(store: EventStore, todo: Sequence[RolloutState], reason:
     raise StoreError(f"could not cancel {len(todo)} rollout(s) in {CANCEL_ROUNDS} rounds")
 
 
-async def ack(store: EventStore, ids: Sequence[str], batches: Sequence[str]) -> AckReport:
-    """Delete the ended rollouts of ``ids`` (``batches[i]`` is the batch of ``ids[i]``)."""
+async def ack(
+    store: EventStore, ids: Sequence[str], batches: Sequence[str], *, queue: Redis | None = None
+) -> AckReport:
+    """Delete the ended rollouts of ``ids`` (``batches[i]`` is the batch of ``ids[i]``).
+    ``queue``: the queue's Redis, when it is not the store's: the rollouts' jobs are deleted
+    there first (``store.ack_apart``), and ``ack.lua`` touches no rq key."""
     keys = store.keys
+    prefix = "rq:" if queue is None else ""
     calls = [
-        ((*keys.rollout(rid), keys.completions(batch)), ["rq:"])
+        ((*keys.rollout(rid), keys.completions(batch)), [prefix])
         for rid, batch in zip(ids, batches, strict=True)
     ]
     replies = []
-    for part in bulk.chunks(calls):  # a round trip per chunk: a bounded pipeline
+    # A round trip per chunk: a bounded pipeline (apart, three more: store, queue, queue).
+    for part_ids, part in zip(bulk.chunks(ids), bulk.chunks(calls), strict=True):
+        if queue is not None:
+            await ack_apart.drop_jobs(
+                queue, await ack_apart.ended_jobs(store.redis, keys, part_ids)
+            )
         replies += await scripts.ACK.many(store.redis, part)
     report = AckReport()
     for rid, reply in zip(ids, replies, strict=True):

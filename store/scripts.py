@@ -361,6 +361,8 @@ REGISTER_PRESENCE = Script("register_presence")
 GIVE_BACK = Script("give_back")
 # The queue on a Redis of its own (store/queue_redis.py): jobs already named on the store.
 PUSH_JOBS = Script("push_jobs")
+# An ack's queue-side step, the queue apart (store/ack_apart.py).
+DROP_JOB = Script("drop_job")
 # By its text: it goes inside the MULTI that pushes the job, where a NOSCRIPT would spoil it.
 RECORD_JOB = Script("record_job", by_text=True)
 REQUEUE_ABANDONED = Script("requeue_abandoned")

@@ -5,7 +5,9 @@ same atomic step as each transition, so they never drift from the logs: states t
 ended (pending, generating, aborted, resumed, and an episode's awaiting_tool, running_tool and
 next_turn) count the rollouts in them now; terminal states count every rollout that ever ended
 so. Workers publish a heartbeat (``beat``) with their in-flight count and weight version; queue
-depths are rq's lists. ``read_stats`` gets all of it in one round trip.
+depths are rq's lists. ``read_stats`` gets all of it in one round trip; with the queue on a
+Redis of its own (``store.queue_redis``), the depths are read there, beside the store's read
+(two reads, not one instant: this is display data).
 
 A heartbeat's age is judged by Redis's clock, never by a host's: a worker stamps its beat with
 the time its lease renewal read from Redis (``Leases.renew``), and readers compare it with
@@ -15,18 +17,22 @@ Redis's clock read with the stats (``Stats.now``). Hosts whose clocks disagree b
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 from redis.asyncio import Redis
+from rq import Queue
 
 from statemachine import Status
 from store import scripts
 from store.keys import Keys
 from store.pause import Pause
 
+# stats.lua's rq prefix that reads no rq key.
+RQ_NONE = ""
 # A worker whose last heartbeat is older than this is not counted as live (it beats every
 # HEARTBEAT_S; a dead one's entry is removed by the next reaper pass, see ``prune``).
 WORKER_STALE_S = 15.0
@@ -90,8 +96,14 @@ async def remove(redis: Redis, keys: Keys, worker_id: str) -> None:
     await redis.hdel(keys.workers(), worker_id)  # type: ignore[misc]
 
 
-async def read_stats(redis: Redis, keys: Keys) -> Stats:
-    counters, beats, queues, now_ms = await _read(redis, keys)
+async def read_stats(redis: Redis, keys: Keys, queue: Redis | None = None) -> Stats:
+    """``queue``: the queue's Redis, when it is not the store's (``redis``)."""
+    if queue is None:
+        counters, beats, queues, now_ms = await _read(redis, keys)
+    else:
+        (counters, beats, _, now_ms), queues = await asyncio.gather(
+            _read(redis, keys, RQ_NONE), _depths(queue)
+        )
     values = _pairs(counters)
     by_state = {s: int(values.get(s.value, 0)) for s in Status}
     now = int(now_ms) / 1000
@@ -109,7 +121,8 @@ async def read_stats(redis: Redis, keys: Keys) -> Stats:
 
 async def prune(redis: Redis, keys: Keys, older_than_s: float = WORKER_STALE_S) -> list[str]:
     """Drop the heartbeats of workers gone quiet (killed ones never remove their own)."""
-    _, beats, _, now_ms = await _read(redis, keys)  # one round trip every ~10 s
+    # One round trip every ~10 s; no queue read (none is needed: the queue may be elsewhere).
+    _, beats, _, now_ms = await _read(redis, keys, RQ_NONE)
     now = int(now_ms) / 1000
     stale = [
         k.decode()
@@ -121,9 +134,24 @@ async def prune(redis: Redis, keys: Keys, older_than_s: float = WORKER_STALE_S) 
     return stale
 
 
-async def _read(redis: Redis, keys: Keys) -> list[Any]:
-    """Counters, heartbeats, queue depths and Redis's clock (ms), in one round trip."""
-    return list(await scripts.STATS(redis, [keys.stats(), keys.workers()], ["rq:"]))
+async def _read(redis: Redis, keys: Keys, rq_prefix: str = "rq:") -> list[Any]:
+    """Counters, heartbeats, queue depths and Redis's clock (ms), in one round trip; no
+    depths (an empty list) with ``rq_prefix`` ``RQ_NONE``."""
+    return list(await scripts.STATS(redis, [keys.stats(), keys.workers()], [rq_prefix]))
+
+
+async def _depths(queue: Redis) -> list[Any]:
+    """The queues rq knows of and their lengths, on the queue's own Redis (name, depth, ...):
+    its set of queues, then their lengths in one pipeline."""
+    names = sorted(await queue.smembers(Queue.redis_queues_keys))  # type: ignore[misc]
+    if not names:
+        return []
+    async with queue.pipeline(transaction=False) as pipe:
+        for key in names:
+            pipe.llen(key)
+        depths = await pipe.execute()
+    prefix = len(Queue.redis_queue_namespace_prefix)
+    return [x for key, n in zip(names, depths, strict=True) for x in (key[prefix:], n)]
 
 
 def _pairs_raw(flat: list[Any]) -> list[tuple[Any, Any]]:

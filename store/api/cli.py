@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from store import defaults, redis_options
+from store import defaults, queue_redis, redis_options
 from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
 from store.logs import add_log_format
@@ -25,6 +25,7 @@ DEFAULT_MAX_BODY_BYTES = defaults.API_MAX_BODY_BYTES
 
 def configure(parser: argparse.ArgumentParser) -> None:
     redis_options.add_arguments(parser, otherwise=DEFAULT_URL)
+    queue_redis.add_argument(parser)
     parser.add_argument(
         "--host",
         default=DEFAULT_HOST,
@@ -96,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(args.log_format)
     try:
         url = redis_options.resolve(args) or DEFAULT_URL
+        queue_url = queue_redis.resolve(url, args.queue_redis)
     except InvalidRedisUrl as exc:
-        return _refuse(str(exc))  # names the file, never the URL
+        return _refuse(str(exc))  # names the file or the flag, never the URL
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
     if token is not None and not token.strip():
         return _refuse(f"the API token (--token or ${TOKEN_ENV}) is empty")
@@ -109,13 +111,14 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(f"--call-timeout must be > 0 seconds, got {args.call_timeout}")
     if args.max_body_bytes < 1024:
         return _refuse(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
-    problem = redis_options.check(url)
-    if problem is not None:
-        return _refuse(problem)
-    return _serve(args, url, token)
+    for each in dict.fromkeys((url, queue_url)):  # the queue's Redis too, when its own
+        problem = redis_options.check(each)
+        if problem is not None:
+            return _refuse(problem)
+    return _serve(args, url, queue_url, token)
 
 
-def _serve(args: argparse.Namespace, url: str, token: str | None) -> int:
+def _serve(args: argparse.Namespace, url: str, queue_url: str, token: str | None) -> int:
     from aiohttp import web  # noqa: PLC0415
 
     from store.client import RolloutClient  # noqa: PLC0415
@@ -133,7 +136,8 @@ def _serve(args: argparse.Namespace, url: str, token: str | None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
 
     async def app() -> web.Application:
-        client = RolloutClient(url, queue_name=args.queue, tokenizer=tokenizer,
+        client = RolloutClient(url, queue_url=queue_url, queue_name=args.queue,
+                               tokenizer=tokenizer,
                                min_replicas_acked=args.min_replicas_acked)  # fmt: skip
         served = from_args(args.served_model_name, args.max_model_len, args.tokenizer)
         calls = Calls(client, max_waiting=args.max_waiting, on_disconnect=args.on_disconnect,
@@ -142,7 +146,8 @@ def _serve(args: argparse.Namespace, url: str, token: str | None) -> int:
                         close_client=True, calls=calls)  # fmt: skip
 
     log_event(log, logging.INFO, "start", "API listening", host=args.host, port=args.port,
-              redis=redact(url), auth=token is not None, queue=args.queue)  # fmt: skip
+              redis=redact(url), queue_redis=redact(queue_url), auth=token is not None,
+              queue=args.queue)  # fmt: skip
     try:
         web.run_app(app(), host=args.host, port=args.port, access_log=None, print=None)
     except OSError as exc:  # the port is taken, or the address is not this machine's

@@ -3,7 +3,9 @@
 -- <registry>:<queue>.)
 --
 -- KEYS[1]  the rollout's log     KEYS[2]  its snapshot     KEYS[3]  its batch's completions
--- ARGV[1]  rq's key prefix for the job and its registries ("rq:")
+-- ARGV[1]  rq's key prefix for the job and its registries ("rq:"); "" when the queue is on
+--          a Redis of its own (store/queue_redis.py): its jobs are not here, and the ack
+--          deleted them there first (lua/drop_job.lua), so this deletes the rollout only
 --
 -- Returns {"ok"} | {"missing"} (no such rollout: acknowledged or expired already) |
 -- {"live", status} (not ended: nothing deleted; a live rollout is never deleted)
@@ -22,7 +24,9 @@ end
 -- Every job made for the rollout, space-separated: the submit's, then each one the reaper, the
 -- stranded-rollout net or an operator pushed (lua/give_back.lua, lua/record_job.lua). A
 -- requeue or a sweep moves a job without making a new one.
-for job in string.gmatch(snap[3] or '', '%S+') do
+local jobs = snap[3] or ''
+if ARGV[1] == '' then jobs = '' end
+for job in string.gmatch(jobs, '%S+') do
   local jkey = ARGV[1] .. 'job:' .. job
   local job_fields = redis.call('HMGET', jkey, 'origin', 'status')
   local origin = job_fields[1]

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ValidationError
 
 from store import sessions
 from store.pause import Pause, PauseFlag
-from store.stats import read_stats
 
 from .. import wire
 from ..errors import ApiError, from_validation
@@ -186,7 +185,7 @@ class Handlers:
         never idle, and the timeout's answer names it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            stats = await read_stats(self.client.redis, self.client.keys)
+            stats = await self.client.stats()
             running = stats.in_flight
             unaware = [w.worker_id for w in stats.workers if w.paused is None]
             if await self.pause_flag.current() is None:
