@@ -59,7 +59,7 @@ def push(
     rollout recorded now, and for each one found recorded and still pending with none of its
     jobs on the queue. One ``push_jobs`` per chunk (bounded as the chunk is). Returns each
     chunk's statuses as the one-script step gives them (``ok``, ``dup``, ``conflict``)."""
-    writer, hint = _writer(jobs, keys, affinity)
+    fields, hint = _session(keys, affinity)
     statuses: list[list[bytes]] = []
     for part, reply in zip(parts, replies, strict=True):
         named: list[tuple[str, str]] = []
@@ -73,7 +73,7 @@ def push(
         # Pushed in the chunk's order: the queue serves them as the one-script step would.
         order = {e.rollout_id: i for i, e in enumerate(part)}
         named.sort(key=lambda jr: order[jr[1]])
-        rq_queue.push_jobs(writer, named, hint=hint)
+        rq_queue.push_jobs(jobs, named, hint=hint, fields=fields)
         statuses.append([status for status, *_ in reply])
     return statuses
 
@@ -86,7 +86,7 @@ def repush(
     request): each one still pending none of whose jobs is on the queue gets its first
     recorded job pushed. Two round trips per ``chunk`` (the store's, the queue's), and a third
     to push when one is missing."""
-    writer, hint = _writer(jobs, keys, affinity)
+    fields, hint = _session(keys, affinity)
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
         with conn.pipeline(transaction=False) as pipe:
@@ -97,16 +97,16 @@ def repush(
                     if st == PENDING and job]  # fmt: skip
         named = _missing(jobs, recorded)
         if named:
-            rq_queue.push_jobs(writer, named, hint=hint)
+            rq_queue.push_jobs(jobs, named, hint=hint, fields=fields)
 
 
-def _writer(
-    jobs: JobWriter, keys: Keys, affinity: Affinity | None
-) -> tuple[JobWriter, tuple[list[str], list[Any]]]:
-    """The writer of a call's jobs (with a session's fields) and its hint (none without)."""
+def _session(
+    keys: Keys, affinity: Affinity | None
+) -> tuple[dict[str, Any], tuple[list[str], list[Any]]]:
+    """A session's call's job fields and hint (none without)."""
     if affinity is None:
-        return jobs, ([], [])
-    return _Fielded(jobs, affinity.job_fields()), affinity.hint(keys)
+        return {}, ([], [])
+    return affinity.job_fields(), affinity.hint(keys)
 
 
 def _missing(jobs: JobWriter, recorded: list[tuple[list[str], str]]) -> list[tuple[str, str]]:
@@ -120,16 +120,3 @@ def _missing(jobs: JobWriter, recorded: list[tuple[list[str], str]]) -> list[tup
             pipe.exists(*(Job.key_for(j) for j in job_ids))
         found = pipe.execute()
     return [(job_ids[0], rid) for (job_ids, rid), n in zip(recorded, found, strict=True) if not n]
-
-
-class _Fielded(JobWriter):
-    """A job writer whose jobs also carry ``fields`` (a session's call's, ``store.affinity``):
-    ``push_jobs`` writes ``shared()`` and nothing else. Made from a writer without asking
-    Redis again for rq's template."""
-
-    def __init__(self, jobs: JobWriter, fields: dict[str, Any]) -> None:
-        vars(self).update(vars(jobs))
-        self._extra = fields
-
-    def shared(self) -> dict[str, Any]:
-        return {**super().shared(), **self._extra}

@@ -106,7 +106,8 @@ def make_app(
     handlers = Handlers(client, metrics, submit=_route(routes, "submit").body)  # type: ignore[arg-type]
     app[_HANDLERS] = handlers
     served = harness.handlers(calls or Calls(client))
-    served |= env_routes.handlers(environment or EnvironmentClient(client.store, client.sync_redis))
+    served |= env_routes.handlers(environment or EnvironmentClient(
+        client.store, client.sync_redis, queue_apart=client.queue_apart))  # fmt: skip
     document = openapi.build(routes, secured=auth.enabled)
     for route in routes:
         handler = served[route.name] if route.name in served else getattr(handlers, route.name)
