@@ -32,9 +32,10 @@ async def environment(
     tool: Callable[[list[int]], list[int]] = observe,
 ) -> AsyncIterator[EnvironmentClient]:
     """A runner serving every call of ``queue`` with ``tool`` while the block runs; with a
-    ``gate``, each call's result waits until the gate is set."""
+    ``gate``, each call's result waits until the gate is set. ``url``: the queue's Redis
+    (where the next turns' jobs go), apart from the store's if ``client``'s is."""
     sync = redis.Redis.from_url(url)
-    env = EnvironmentClient(client.store, sync)
+    env = EnvironmentClient(client.store, sync, queue_apart=client.queue_apart)
     done = asyncio.Event()
 
     async def serve() -> None:

@@ -17,13 +17,15 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from statemachine import Status
+from statemachine import FinishReason, Status
 from store.client import RolloutClient
 from store.event_store import JOB
 from store.redis_server import RedisServer
 from tests.ops.test_ops_cli import cli, run_cli
 from tests.ops.test_requeue import _check_ran_once, _generating, _requests
+from tests.workers.episode_helpers import environment
 from tests.workers.helpers import SYNTHETIC, start_worker, stop, until
+from tests.workers.test_episode_processes import TURNS, VOCAB, _long_second_turn
 from workers.engines.synthetic import SyntheticEngine
 from workers.worker import Worker, WorkerConfig
 
@@ -182,3 +184,36 @@ async def test_with_no_operator_the_stranded_net_rebuilds_a_lost_queue_apart(
 
 async def _one_generating(client: RolloutClient, ids: list[str]) -> bool:
     return len(await _generating(client, ids, 8)) == 1
+
+
+async def test_an_episodes_next_turns_go_onto_the_queue_apart(
+    server: RedisServer, queue_server: RedisServer
+) -> None:
+    # Each tool result records its next turn's job id on the store, in the result's own
+    # transaction, and the job is pushed onto the queue's Redis once it landed: every turn
+    # runs, and the episode equals the same episode run uninterrupted.
+    url, qurl = server.url, queue_server.url
+    request, context, mask = await _long_second_turn()
+    client = RolloutClient(url, queue_url=qurl)
+    [rid] = await client.submit([request])
+    config = WorkerConfig(redis_url=url, queue_url=qurl, name="w", max_concurrency=1)
+    worker = Worker(config, SyntheticEngine(vocab=VOCAB, token_delay_s=0.0))
+    task = asyncio.create_task(worker.run())
+    try:
+        async with environment(client, qurl):
+            [result] = await client.wait([rid], timeout=60)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 60)
+    state = await client.store.load(rid)
+    assert result.status is Status.DONE and state.finish_reason is FinishReason.MAX_TURNS
+    assert state.context_token_ids.tolist() == context
+    assert state.loss_mask.tolist() == mask
+    # The submit's job and one per later turn, all listed on the snapshot (its ack deletes
+    # them), none left on the store's Redis.
+    store, queue = Redis.from_url(url), Redis.from_url(qurl)
+    assert len(store.hget(client.keys.snapshot(rid), JOB).split()) == TURNS  # type: ignore[union-attr]
+    _check_apart(store, queue)
+    store.close()
+    queue.close()
+    await client.aclose()
