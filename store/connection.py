@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -27,6 +27,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection as AsyncAbstractConnection
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import EqualJitterBackoff
+from redis.cluster import ClusterNode as SyncClusterNode
+from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
@@ -166,6 +168,38 @@ def connect_cluster(url: str, *, client_name: str | None = None) -> RedisCluster
     for node in client.nodes_manager.startup_nodes.values():
         node.connection_class = kind
     return client
+
+
+def connect_store(url: str, *, client_name: str | None = None) -> aredis.Redis:
+    """The store's asyncio client: a cluster's (``connect_cluster``) for a
+    ``redis+cluster://`` URL, else ``connect``'s. Typed as one Redis: a cluster's client
+    answers the same commands, and what it cannot do (a step spanning slots) is refused by
+    name where it is tried (``store.cluster_appends.ClusterUnsupported``)."""
+    if is_cluster_url(url):
+        return cast(aredis.Redis, connect_cluster(url, client_name=client_name))
+    return connect(url, client_name=client_name)
+
+
+def connect_sync_store(url: str) -> redis.Redis:
+    """``connect_store`` for synchronous code (a submit's records, from a thread)."""
+    if not is_cluster_url(url):
+        return connect_sync(url)
+    parts = urlsplit(url)
+    try:
+        nodes = [SyncClusterNode(host, port) for host, port in cluster_nodes(url)]  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise InvalidRedisUrl(f"not a Redis Cluster URL: {exc}".replace(url, redact(url))) from None
+    client = SyncRedisCluster(
+        startup_nodes=nodes,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+        require_full_coverage=False,
+        retry=_Retry(EqualJitterBackoff(*BACKOFF), RETRIES),
+        retry_on_error=list(_ERRORS),
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=2.0,
+    )
+    return cast(redis.Redis, client)
 
 
 def connect_sync(url: str) -> redis.Redis:
