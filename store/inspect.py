@@ -235,6 +235,14 @@ async def rollouts_now(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -
     # MULTI of every candidate at once (``find_stuck`` of a 100,000-rollout batch) would hold
     # Redis for all of them.
     for part in bulk.chunks(ids):
+        if store.cluster:
+            found, leases, quarantined = await _read_on_cluster(store, part)
+            clock, _, _, their, _ = leases
+            replies += found
+            clocks += [int(clock)] * len(part)
+            expiries += their
+            reasons += quarantined
+            continue
         async with store.redis.pipeline(transaction=True) as pipe:
             for rid in part:
                 pipe.hmget(keys.snapshot(rid), [HEAD, JOB])
@@ -282,6 +290,26 @@ async def rollouts_now(store: EventStore, conn: SyncRedis, ids: Sequence[str]) -
             )
         )
     return out
+
+
+async def _read_on_cluster(store: EventStore, part: Sequence[str]) -> tuple[list[Any], Any, Any]:
+    """``rollouts_now``'s reads of one chunk on Redis Cluster, where each rollout, the lease
+    index and the quarantine are in slots of their own: each rollout's snapshot and first
+    entry (pipelined, a batch per master), then the leases and the quarantine. Not one
+    instant: ``find_stuck`` looks twice, and a rollout that moved meanwhile is not stuck."""
+    keys = store.keys
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for rid in part:
+            pipe.hmget(keys.snapshot(rid), [HEAD, JOB])
+            pipe.xrange(keys.log(rid), FIRST, FIRST)
+        found = await pipe.execute()
+    read, grace = scripts.READ_LEASES, int(defaults.STORE_REAP_GRACE_S * 1000)
+    lease_keys = [keys.leases(), keys.lease_refusals()]
+    leases = await store.redis.execute_command(  # type: ignore[no-untyped-call]
+        "EVAL", read.text, 2, *lease_keys, grace, *part
+    )
+    quarantined = await store.redis.hmget(keys.quarantine(), list(part))  # type: ignore[misc]
+    return found, leases, quarantined
 
 
 # -- stuck rollouts ---------------------------------------------------------------------------
@@ -380,13 +408,12 @@ async def with_status(
     each once: a SCAN of the snapshots, never a KEYS, so that what the store alone says (no rq
     key read) is found in a deployment of any size without holding it all at once."""
     keys: Keys = store.keys
-    pattern = keys.snapshot("*")  # "*" is a legal id, and so the glob of every snapshot key
-    prefix, suffix = pattern.split("*")
     wanted = {s.value.encode() for s in statuses}
     seen: set[str] = set()  # SCAN may return a key twice (a rehash between two steps)
     names: list[str] = []
-    async for key in store.redis.scan_iter(match=pattern, count=_SCAN_COUNT, _type="hash"):
-        rid = key.decode()[len(prefix) : -len(suffix)]
+    glob = keys.snapshots_glob()
+    async for key in store.redis.scan_iter(match=glob, count=_SCAN_COUNT, _type="hash"):
+        rid = keys.rollout_of_snapshot(key.decode())
         if rid not in seen:
             seen.add(rid)
             names.append(rid)

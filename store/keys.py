@@ -110,6 +110,16 @@ class Keys:
     def snapshot(self, rollout_id: str) -> str:
         return f"{self._base(rollout_id)}:snap"
 
+    def snapshots_glob(self) -> str:
+        """A SCAN pattern of every rollout's snapshot, whichever its form (``_base``)."""
+        return f"{self.namespace}:{{*:snap"
+
+    def rollout_of_snapshot(self, key: str) -> str:
+        """The rollout id of a snapshot key ``snapshots_glob`` matched."""
+        body = key[len(self.namespace) + 2 : -len(":snap")]  # "<id>}" or "<tag>}:<id>"
+        head, _, rest = body.partition("}")
+        return rest[1:] if rest else head
+
     def weights(self) -> str:
         """The weight-version log: one per deployment, so no rollout hash tag."""
         return f"{self.namespace}:weights"
@@ -147,6 +157,11 @@ class Keys:
     def stranded_check(self) -> str:
         """Which reaper checks for stranded rollouts this interval (a string with a short TTL)."""
         return f"{self.namespace}:stranded:check"
+
+    def outbox_sweep(self) -> str:
+        """On Redis Cluster, which reaper delivers what appenders left in the outboxes this
+        interval (a string with a short TTL; ``workers.outbox_sweep``)."""
+        return f"{self.namespace}:outbox:sweep"
 
     def stranded_scan(self) -> str:
         """When the fleet may next look for stranded rollouts, and the wait before that look
@@ -213,6 +228,15 @@ class Keys:
         the environment queues (lua/tool_call_index.lua), read by ``store.tool_sweep``."""
         return f"{self.namespace}:episode-deadlines"
 
+    def tool_lease_refusals(self) -> str:
+        """``lease_refusals`` for the tool-call lease index. On one Redis the same hash (one
+        count of refusals per server); on Redis Cluster one beside ``tool_leases``, in its
+        slot: a script may touch only its own slot's keys, and ``INFO errorstats`` is that
+        master's own count anyway."""
+        if not self.grouped:
+            return self.lease_refusals()
+        return f"{{{self.tool_leases()}}}:refusals"
+
     def tool_leases(self) -> str:
         """The lease index of every claimed tool call (a sorted set: member rollout id, score =
         expiry, unix ms by Redis's clock), as ``leases`` is for generation attempts: an
@@ -241,7 +265,10 @@ class Keys:
     def completion_ids(self, batch_id: str) -> str:
         """On Redis Cluster, the completions delivered to a batch's stream (a hash: rollout
         id -> entry id), in the batch's slot: what makes a delivery repeated after a crash
-        land once (``store.outbox``)."""
+        land once (``store.outbox``). Rollouts of no batch: tagged with their shared stream's
+        name, so that both are in one slot."""
+        if not batch_id:
+            return f"{{{self.completions('')}}}:ids"
         return f"{self.completions(batch_id)}:ids"
 
     def workers(self) -> str:

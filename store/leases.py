@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from store import defaults, scripts
 from store.keys import Keys
@@ -185,6 +186,16 @@ class Leases:
 
     async def quarantine(self, rollout_id: str, seen_expiry: int, reason: str) -> bool:
         """Move an expired lease to the quarantine with ``reason``, unless renewed meanwhile."""
+        if isinstance(self.redis, RedisCluster):
+            # The lease index and the quarantine are in different slots: set aside first,
+            # then the lease released if unchanged (else taken back out). Released first, a
+            # crash in between would leave an unreadable live rollout neither leased nor set
+            # aside, which no reaper sees again.
+            await self.redis.hset(self.quarantine_key, rollout_id, reason)
+            if await self.release_if_unchanged(rollout_id, seen_expiry):
+                return True
+            await self.redis.hdel(self.quarantine_key, rollout_id)
+            return False
         keys = [self.key, self.quarantine_key]
         reply = await scripts.QUARANTINE_LEASE(self.redis, keys, [rollout_id, seen_expiry, reason])
         return bool(reply)

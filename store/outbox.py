@@ -68,7 +68,10 @@ async def deliver(
 
 def _to_batch(keys: Keys, e: Ended) -> Block:
     done = keys.completions(e.batch_id)
-    call = scripts.Call(DELIVER, (done, keys.completion_ids(e.batch_id), keys.batch(e.batch_id)),
+    # Rollouts of no batch have no record: a key in their shared stream's slot that no one
+    # writes stands for it (no retention, as on one Redis).
+    record = keys.batch(e.batch_id) if e.batch_id else f"{{{done}}}:record"
+    call = scripts.Call(DELIVER, (done, keys.completion_ids(e.batch_id), record),
                         (e.rollout_id, e.status))  # fmt: skip
     return Block(key_slot(done.encode()), (call,))
 

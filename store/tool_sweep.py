@@ -45,7 +45,7 @@ async def sweep_lost_calls(
 ) -> list[str]:
     """One pass: the rollouts whose lost call this sweeper recorded. None within the grace
     after Redis last refused a write (``lua/lease_grace.lua``: nobody could renew then)."""
-    keys = [store.keys.tool_leases(), store.keys.lease_refusals()]
+    keys = [store.keys.tool_leases(), store.keys.tool_lease_refusals()]
     _, rows, _ = await scripts.EXPIRED_LEASES(
         store.redis, keys, [limit, int(refusal_grace_s * 1000)]
     )

@@ -58,6 +58,7 @@ from store.queue import JobWriter, give_back, new_job_ids, push_jobs, rollout_qu
 from store.tool_sweep import sweep_lost_calls, sweep_wall_time
 from workers.backoff import Backoff
 from workers.failures import record_failure, worker_lost_aborts
+from workers.outbox_sweep import OutboxSweep
 from workers.outcomes import Stats
 from workers.rq_bridge import RqBridge
 from workers.stranded import StrandedSweep
@@ -87,12 +88,15 @@ class Reaper:
         presence: PresenceWatch | None = None,
         stranded: StrandedSweep | None = None,
         queue_apart: bool = False,
+        outbox: OutboxSweep | None = None,
     ) -> None:
         self.store = store
         # rq's queue on a Redis of its own (store.queue_redis): a give back is ordered steps.
         self.queue_apart = queue_apart
         # The net for rollouts left waiting with no job (None: not run by this reaper).
         self.stranded = stranded
+        # On Redis Cluster: completions left in the outboxes (None: one Redis, none).
+        self.outbox = outbox
         # Other workers' presence: None, leases are recovered when they expire, only.
         self.presence = presence
         self.worker_id = worker_id  # the worker this reaper runs in (for its log lines)
@@ -379,6 +383,8 @@ class Reaper:
             )
         if self.stranded is not None:
             beside.append(asyncio.create_task(self.stranded.run(stop), name="stranded"))
+        if self.outbox is not None:
+            beside.append(asyncio.create_task(self.outbox.run(stop), name="outbox"))
         try:
             await self._passes(interval_s, stop)
         finally:

@@ -30,7 +30,7 @@ from rq.worker import WorkerStatus
 
 from store import defaults
 from store.coalesce import Coalescer
-from store.connection import connect_sync
+from store.connection import connect_sync, connect_sync_store
 from store.errors import unwritable
 from store.keys import Keys
 from store.queue import rollout_queue
@@ -79,7 +79,7 @@ class RqBridge:
         (``store.queue_redis``): rollouts' snapshots are read there, never beside rq's keys."""
         self.connection = connect_sync(url)
         # The store's Redis, for what rq's books check of a rollout (is it acknowledged?).
-        self.store_connection = connect_sync(store_url) if store_url else self.connection
+        self.store_connection = connect_sync_store(store_url) if store_url else self.connection
         self.apart = store_url is not None
         self.keys = keys or Keys()
         self.queues = [rollout_queue(self.connection, n) for n in queue_names]

@@ -282,6 +282,11 @@ class RolloutRunner:
             # rollout instead). A crash in between leaves a lease the reaper turns into a
             # re-enqueue, never a live attempt nobody watches.
             await self.condition.until_written(lambda: self._take(rollout_id), "lease")
+        elif self.leases is not None and self.store.cluster:
+            # On Redis Cluster the lease index and the rollout are in different slots: the
+            # lease first, as a takeover takes it (a crash in between leaves a lease the
+            # reaper turns into a re-enqueue, never a live attempt nobody watches).
+            await self.condition.until_written(lambda: self._take(rollout_id), "lease")
         elif self.leases is not None:
             # Taken in the transaction that opens the attempt: never one without the other,
             # and one round trip less per attempt (an episode's every turn: bench_episodes).

@@ -36,7 +36,7 @@ from redis import Redis as SyncRedis
 from rq import Queue
 
 from statemachine import LIVE, WAITING, Status
-from store import EventStore, defaults
+from store import EventStore, defaults, slot_counters
 from store.errors import StoreUnwritable, unwritable
 from store.inspect import find_stuck
 from store.logs import log_event
@@ -87,10 +87,14 @@ class StrandedSweep:
         if await self.shortfall() <= 0:
             await self.store.redis.delete(schedule)  # nothing hidden: look at once next time
             return []
-        async with self.store.redis.pipeline(transaction=False) as pipe:
-            pipe.hmget(schedule, ["at", "wait"])
-            pipe.time()  # Redis's clock: the fleet's hosts' clocks need not agree
-            (at, wait), (sec, usec) = await pipe.execute()
+        if self.store.cluster:  # a cluster's pipelines refuse TIME: two round trips
+            at, wait = await self.store.redis.hmget(schedule, ["at", "wait"])  # type: ignore[misc]
+            sec, usec = await self.store.redis.time()
+        else:
+            async with self.store.redis.pipeline(transaction=False) as pipe:
+                pipe.hmget(schedule, ["at", "wait"])
+                pipe.time()  # Redis's clock: the fleet's hosts' clocks need not agree
+                (at, wait), (sec, usec) = await pipe.execute()
         now = int(sec) + int(usec) / 1e6
         if at is not None and now < float(at):
             return []
@@ -109,7 +113,11 @@ class StrandedSweep:
         if self.store_connection is not None:
             # The queue apart (store.queue_redis): counters and jobs read one after the
             # other. A trigger only (the scan looks twice): no instant across both is needed.
-            counts = await self.store.redis.hmget(keys.stats(), live)  # type: ignore[misc]
+            if self.store.on_cluster is not None:  # counted per slot (store.slot_counters)
+                summed = await slot_counters.summed(self.store.on_cluster, keys)
+                counts = [summed.get(name, 0) for name in live]
+            else:
+                counts = await self.store.redis.hmget(keys.stats(), live)  # type: ignore[misc]
             jobs = await asyncio.to_thread(self._jobs_waiting)
             return sum(int(c or 0) for c in counts) - jobs
         names = sorted(

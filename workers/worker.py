@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from statemachine import AbortReason, CodecError, CorruptRecord
 from store import EventStore, RolloutNotFound, defaults, queue_redis
 from store import stats as fleet
-from store.connection import connect
+from store.connection import connect, connect_store
 from store.errors import unwritable
 from store.leases import Leases
 from store.logs import log_event
@@ -39,6 +39,7 @@ from workers.engines.base import Engine
 from workers.heartbeat import heartbeat
 from workers.job_endings import JobEndings
 from workers.metrics import WorkerMetrics
+from workers.outbox_sweep import OutboxSweep
 from workers.outcomes import Outcome, Stats
 from workers.pausing import DeploymentPause
 from workers.places import EnginePlaces, JobSlot
@@ -151,7 +152,7 @@ class Worker:
 
     async def run(self) -> Stats:
         cfg = self.config
-        client = connect(cfg.redis_url)
+        client = connect_store(cfg.redis_url)
         apart = queue_redis.apart(cfg.redis_url, cfg.queue_url)
         queue_url = cfg.queue_url if cfg.queue_url and apart else cfg.redis_url
         # The queue's Redis holds rq's keys and the fleet's presence (queue depths are read
@@ -215,6 +216,9 @@ class Worker:
         # lapsed meanwhile get a grace to be renewed (defaults.STORE_REAP_GRACE_S).
         reaper.hold = stranded.hold = self.condition.settling
         reaper.on_refused = stranded.on_refused = self.condition.refused
+        if store.cluster:
+            sweep = reaper.outbox = OutboxSweep(store, worker_id=cfg.name)
+            sweep.hold, sweep.on_refused = self.condition.settling, self.condition.refused
         # Subscribed while this process lives, on a connection of its own: the reapers see
         # its death the moment its kernel closes that connection (store/presence.py).
         presence = Presence(queue_url, cfg.name, store.keys)
