@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from redis.exceptions import AuthenticationError, AuthorizationError, RedisError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 
-from store.connection import URL_ENV, connect_sync, redact, resolve_url
+from store.connection import URL_ENV, connect_sync_store, redact, resolve_url
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, otherwise: str, use_env: bool = True) -> None:
@@ -71,10 +77,13 @@ def check(url: str) -> str | None:
     The line quotes redis-py's message, which names host and port, never the URL or its
     password (read in redis/connection.py: parse_url, _error_message); the URL is redacted."""
     try:
-        client = connect_sync(url)
+        client = connect_sync_store(url)  # a cluster's answers from one of its nodes
     except ValueError as exc:
         # redis-py refuses the URL itself (its scheme, port or database number).
         return f"invalid Redis URL {redact(url)}: {exc}"
+    except (RedisError, RedisClusterException, OSError) as exc:
+        # A cluster's client asks its nodes for the slot map as it is made.
+        return f"cannot reach Redis at {redact(url)}: {exc}"
     try:
         client.ping()
     except AuthenticationError as exc:

@@ -22,12 +22,18 @@ log = logging.getLogger("rollouts.outbox")
 
 class OutboxSweep:
     def __init__(
-        self, store: EventStore, *, worker_id: str = "", every_s: float = defaults.OUTBOX_SWEEP_S
+        self,
+        store: EventStore,
+        *,
+        worker_id: str = "",
+        every_s: float = defaults.OUTBOX_SWEEP_S,
+        older_than_ms: int = outbox.SWEEP_AFTER_MS,
     ) -> None:
         assert store.on_cluster is not None, "an outbox exists on Redis Cluster only"
         self.store = store
         self.worker_id = worker_id
         self.every_s = every_s
+        self.older_than_ms = older_than_ms  # younger entries are their appenders' to deliver
         self.delivered = 0
         # As the stranded net's (``Reaper.hold``, ``Reaper.on_refused``).
         self.hold: Callable[[], bool] = lambda: False
@@ -41,8 +47,10 @@ class OutboxSweep:
                                      px=px):  # fmt: skip
             return 0
         assert store.on_cluster is not None
-        n = await outbox.sweep(store.on_cluster, store.keys, store.head,
-                               replicas=store.replicas_acked)  # fmt: skip
+        n = await outbox.sweep(
+            store.on_cluster, store.keys, store.head, replicas=store.replicas_acked,
+            older_than_ms=self.older_than_ms,
+        )  # fmt: skip
         if n:
             log.warning("delivered %d completions their appenders left in the outbox", n)
         self.delivered += n

@@ -5,21 +5,35 @@ uninterrupted run, spread over every master."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 from redis import Redis
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
-from statemachine import Finished, RolloutRequest, Started, Status, Submitted
+from statemachine import Aborted, Finished, Membership, RolloutRequest, Started, Status, Submitted
+from store import cluster_appends
 from store.connection import connect_sync_store
 from store.event_store import EventStore
 from store.queue import enqueue_rollouts, rollout_queue
 from store.redis_cluster import RedisCluster
 from store.redis_server import RedisServer
-from tests.workers.helpers import SYNTHETIC, direct_greedy, greedy, random_prompts, until
+from tests import factories as f
+from tests.workers.helpers import (
+    SYNTHETIC,
+    direct_greedy,
+    greedy,
+    random_prompts,
+    start_worker,
+    stop,
+    until,
+)
 from workers.engines.synthetic import SyntheticEngine
+from workers.outbox_sweep import OutboxSweep
 from workers.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.redis_server
@@ -37,8 +51,9 @@ async def _submit(store: EventStore, url: str, queue_url: str, reqs: list[Rollou
                   batch: str) -> list[str]:  # fmt: skip
     """The rollouts recorded on the cluster and enqueued, as an operator's requeue does."""
     ids = [f"{batch}.{i}.0" for i in range(len(reqs))]
-    for rid, r in zip(ids, reqs, strict=True):
-        await store.append(None, Submitted(rollout_id=rid, seq=1, request=r))
+    for i, (rid, r) in enumerate(zip(ids, reqs, strict=True)):
+        member = Membership(batch_id=batch, group_index=i)
+        await store.append(None, Submitted(rollout_id=rid, seq=1, request=r, membership=member))
     sync = connect_sync_store(url)
     with Redis.from_url(queue_url) as q:
         await asyncio.to_thread(enqueue_rollouts, rollout_queue(q), ids, keys=store.keys,
@@ -79,3 +94,75 @@ async def test_a_worker_generates_across_the_cluster(
         np.testing.assert_array_equal(s.token_ids, tokens)
         kinds = [type(e) for e in await store.events(rid)]
         assert kinds.count(Started) == 1 and kinds.count(Finished) == 1
+
+
+async def test_a_worker_sigkilled_on_the_cluster_is_taken_over_and_every_rollout_is_exact(
+    store: EventStore, cluster: RedisCluster, queue_url: str, tmp_path: Path
+) -> None:
+    # a runs two rollouts slowly and is SIGKILLed once it saved tokens of both; b, watching
+    # presence on the queue's Redis, gives them back (the lease on its index, the job's id on
+    # the snapshot in the rollout's slot, the job on the queue) and runs everything.
+    reqs = [RolloutRequest(prompt_token_ids=p, sampling=greedy(48))
+            for p in random_prompts(6, seed=5, length=5)]  # fmt: skip
+    ids = await _submit(store, cluster.url, queue_url, reqs, "ck")
+    extra = ("--lease-ttl", "2", "--heartbeat", "0.25", "--queue-redis", queue_url)
+    a = start_worker(cluster.url, SYNTHETIC, "a", tmp_path / "a.log", *extra, concurrency=2,
+                     synthetic={"token_delay_s": 0.05})  # fmt: skip
+    b = None
+    try:
+        await until(lambda: _saving(store, ids, 2), what="worker a never saved")
+        a.send_signal(signal.SIGKILL)
+        a.wait(10)
+        b = start_worker(cluster.url, SYNTHETIC, "b", tmp_path / "b.log", *extra, concurrency=4,
+                         synthetic={"token_delay_s": 0.0})  # fmt: skip
+        await until(lambda: _all_done(store, ids), timeout=120, what="the rollouts never ended")
+    finally:
+        stop(a, *([b] if b else []))
+    await _check_exact(store, ids, reqs)
+    aborts = [sum(isinstance(e, Aborted) for e in await store.events(rid)) for rid in ids]
+    assert sorted(aborts) == [0, 0, 0, 0, 1, 1]  # a's two, given back once each
+
+
+async def test_one_reaper_per_interval_sweeps_the_outboxes(
+    store: EventStore, cluster_client: ClusterClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An appender died between the end and its delivery: the sweep's token winner delivers
+    # it (once), a second sweep in the same interval does nothing.
+    s = await store.append(None, replace(f.submitted("ob.0.0"),
+                                         membership=Membership(batch_id="ob")))  # fmt: skip
+    s = await store.append(s, f.started(s))
+
+    async def dies(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("the appender died here")
+
+    monkeypatch.setattr(cluster_appends, "deliver", dies)
+    await store.append(s, f.finished(s))
+    old = -60_000  # every entry counts as old enough at once
+    first = OutboxSweep(store, worker_id="r1", older_than_ms=old)
+    second = OutboxSweep(store, worker_id="r2", older_than_ms=old)
+    assert await first.check() == 1
+    assert await second.check() == 0  # the interval's token is r1's
+    [(_, fields)] = await cluster_client.xrange(store.keys.completions("ob"))
+    assert fields == {b"r": b"ob.0.0", b"s": b"done"}
+
+
+async def _saving(store: EventStore, ids: list[str], n: int) -> bool:
+    states = [await store.head(rid) for rid in ids]
+    return sum(s.status is Status.GENERATING and s.num_tokens >= 8 for s in states) == n
+
+
+async def _all_done(store: EventStore, ids: list[str]) -> bool:
+    states = [await store.head(rid) for rid in ids]
+    return all(s.status is Status.DONE for s in states)
+
+
+async def _check_exact(store: EventStore, ids: list[str], reqs: list[RolloutRequest]) -> None:
+    """Each rollout done once, with the tokens of an uninterrupted run."""
+    want = await direct_greedy(None, SYNTHETIC, [r.prompt_token_ids for r in reqs],
+                               reqs[0].sampling)  # fmt: skip
+    for rid, (tokens, logprobs) in zip(ids, want, strict=True):
+        s = await store.load(rid)
+        np.testing.assert_array_equal(s.token_ids, tokens)
+        np.testing.assert_allclose(s.logprobs, logprobs)
+        kinds = [type(e) for e in await store.events(rid)]
+        assert kinds.count(Finished) == 1, (rid, kinds)
