@@ -211,8 +211,12 @@ class PresenceWatch:
         confirm_s: float = defaults.PRESENCE_CONFIRM_S,
         grace_s: float = defaults.PRESENCE_GRACE_S,
         confirm_min_s: float = defaults.PRESENCE_CONFIRM_MIN_S,
+        store: Redis | None = None,
     ) -> None:
+        """``redis``: where presence lives (the queue's Redis); ``store``: where the leases
+        are, the store's (None: the same Redis)."""
         self.redis = redis
+        self.store = store if store is not None else redis
         self.keys = keys or Keys()
         self.me = me  # the worker this watch runs in: present by definition
         self.check_s = check_s
@@ -255,10 +259,14 @@ class PresenceWatch:
         if not await self.redis.set(self.keys.presence_check(), self.me or "-", nx=True, px=px):
             return []  # another reaper checks this interval
         self.checks += 1
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.presence())
-        pipe.zcard(self.keys.leases())
-        registry, leased = await pipe.execute()
+        if self.store is self.redis:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hgetall(self.keys.presence())
+            pipe.zcard(self.keys.leases())
+            registry, leased = await pipe.execute()
+        else:  # the registry with the queue, the leases with the store
+            registry = await self.redis.hgetall(self.keys.presence())  # type: ignore[misc]
+            leased = await self.store.zcard(self.keys.leases())
         windows = {w.decode(): self._window(v) for w, v in registry.items()}
         windows.pop(self.me, None)
         workers = list(windows)
@@ -302,11 +310,11 @@ class PresenceWatch:
 
     async def _expiries(self, workers: list[str]) -> dict[str, dict[str, float]]:
         """Each worker's leases and their expiries (scores of the lease index), as now."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.store.pipeline(transaction=False)
         for w in workers:
             pipe.smembers(self.keys.worker_leases(w))
         held = [sorted(m.decode() for m in members) for members in await pipe.execute()]
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.store.pipeline(transaction=False)
         for ids in held:
             if ids:
                 pipe.zmscore(self.keys.leases(), ids)

@@ -209,7 +209,8 @@ class Worker:
         reaper = self.reaper = Reaper(
             store, leases, rq.connection, rq, max_worker_lost=cfg.max_worker_lost,
             worker_id=cfg.name, stats=self.stats,
-            presence=PresenceWatch(self.queue_redis, store.keys, me=cfg.name), stranded=stranded,
+            presence=PresenceWatch(self.queue_redis, store.keys, me=cfg.name, store=client),
+            stranded=stranded,
             queue_apart=apart,
         )  # fmt: skip
         # While Redis refuses writes the reaper's would be refused too; after, leases that

@@ -60,11 +60,12 @@ async def _generating(client: RolloutClient, ids: list[str], at_least: int) -> l
 
 
 async def _check_ran_once(
-    client: RolloutClient, reqs: list[RolloutRequest], ids: list[str], aborts: set[str]
-) -> None:
+    client: RolloutClient, reqs: list[RolloutRequest], ids: list[str], aborts: set[str],
+    *, timeout: float = 120,
+) -> None:  # fmt: skip
     """Each rollout done once, with the tokens an uninterrupted run gives: one start, one
     finish, and a resume only after an abort (the rollouts of ``aborts``, once each)."""
-    results = await client.wait(ids, timeout=120)
+    results = await client.wait(ids, timeout=timeout)
     assert [r.status for r in results] == [Status.DONE] * len(ids)
     want = await direct_greedy(None, SYNTHETIC, [r.prompt_token_ids for r in reqs],
                                reqs[0].sampling)  # fmt: skip

@@ -66,17 +66,21 @@ async def test_workers_with_the_queue_apart_survive_a_sigkill_and_keep_the_keys_
     _check_apart(store, queue)
     # a runs two rollouts slowly and is SIGKILLed once it saved tokens of both; b, watching
     # presence on the queue's Redis, sees its connection close and gives them back.
-    a = start_worker(url, SYNTHETIC, "a", tmp_path / "a.log", *FAST, "--queue-redis", qurl,
-                     concurrency=2, synthetic={"token_delay_s": 0.05})  # fmt: skip
+    # Leases of a minute: only presence can give a's rollouts back within the test's time.
+    slow_leases = ("--lease-ttl", "60", "--heartbeat", "0.25", "--queue-redis", qurl)
+    a = start_worker(url, SYNTHETIC, "a", tmp_path / "a.log", *slow_leases, concurrency=2,
+                     synthetic={"token_delay_s": 0.05})  # fmt: skip
     b = None
     try:
         await until(lambda: _two_generating(client, ids), what="worker a never saved")
         live = await _generating(client, ids, 8)
+        b = start_worker(url, SYNTHETIC, "b", tmp_path / "b.log", *slow_leases,
+                         concurrency=4, synthetic={"token_delay_s": 0.0})  # fmt: skip
+        await until(lambda: _in_stats(client, "b"), what="worker b never started")
         a.send_signal(signal.SIGKILL)
         a.wait(10)
-        b = start_worker(url, SYNTHETIC, "b", tmp_path / "b.log", *FAST, "--queue-redis", qurl,
-                         concurrency=4, synthetic={"token_delay_s": 0.0})  # fmt: skip
-        await _check_ran_once(client, reqs, ids, set(live))
+        await _check_ran_once(client, reqs, ids, set(live), timeout=30)
+        assert "worker a: its process is gone" in (tmp_path / "b.log").read_text()
         _check_apart(store, queue)
         report = await client.ack(ids)
         assert sorted(report.acked) == sorted(ids)
@@ -93,6 +97,10 @@ async def test_workers_with_the_queue_apart_survive_a_sigkill_and_keep_the_keys_
     store.close()
     queue.close()
     await client.aclose()
+
+
+async def _in_stats(client: RolloutClient, worker: str) -> bool:
+    return worker in {w.worker_id for w in (await client.stats()).workers}
 
 
 async def _no_jobs(queue: Redis) -> bool:
