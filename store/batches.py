@@ -137,6 +137,8 @@ def record(
     its session and preferred worker and are hinted to that worker (``store.affinity``).
     ``jobs``: the queue's job writer, kept by a caller that submits often."""
     keys = store.keys
+    if store.cluster and not apart:  # rq cannot run on a cluster (store.queue_redis)
+        raise ValueError("a store on Redis Cluster records submits with the queue apart")
     new: list[Submitted] = []
     if named_ids:
         # Named ids may be held by another submission's rollouts: refused before anything

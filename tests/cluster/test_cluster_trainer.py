@@ -7,8 +7,13 @@ EventStore (``tests.store.trainer.finish``)."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import aiohttp
 import pytest
 import redis.asyncio as aredis
 from aiohttp.test_utils import TestClient, TestServer
@@ -22,8 +27,9 @@ from store.client import RolloutClient
 from store.cluster_appends import ClusterUnsupported
 from store.errors import InvalidRedisUrl, ReplicasNotAcked
 from store.redis_cluster import RedisCluster
-from store.redis_server import RedisServer
+from store.redis_server import RedisServer, free_port
 from store.stats import WorkerBeat
+from tests.api.test_process import api_command, wait_healthy
 from tests.store.trainer import finish
 
 QUEUE_LIST = b"rq:queue:rollouts"
@@ -276,3 +282,48 @@ async def test_the_http_api_on_a_cluster(
     error = (await r.json())["error"]
     assert error["type"] == "cluster_unsupported" and "sessions" in error["message"]
     assert (await api.get("/v1/sessions/s")).status == 501
+
+
+async def test_healthz_asks_every_master_and_names_the_one_that_refuses(
+    api: TestClient, cluster: RedisCluster, cluster_client: ClusterClient
+) -> None:
+    masters = cluster_client.get_primaries()
+    last = masters[-1]
+    await cluster_client.config_set("maxmemory", "1", target_nodes=last)  # type: ignore[arg-type]
+    try:
+        r = await api.get("/healthz")
+        body = await r.json()
+        assert r.status == 503 and body["reason"] == "oom", body
+        assert last.name in body["redis"]
+    finally:
+        await cluster_client.config_set("maxmemory", "0", target_nodes=last)  # type: ignore[arg-type]
+    assert (await api.get("/healthz")).status == 200
+
+
+async def test_a_real_api_process_on_a_cluster(
+    cluster: RedisCluster, cluster_client: ClusterClient, redis_server: RedisServer,
+    queue: aredis.Redis, tmp_path: Path,
+) -> None:  # fmt: skip
+    refused = subprocess.run(api_command(cluster.url, free_port()), capture_output=True,
+                             text=True, timeout=60, check=False)  # fmt: skip
+    assert refused.returncode == 2 and "needs the queue on one Redis" in refused.stderr
+    port = free_port()
+    log = tmp_path / "api.log"
+    api = subprocess.Popen(api_command(cluster.url, port, "--queue-redis", redis_server.url),
+                           stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await wait_healthy(base, api, log)
+        body = {"prompts": [{"prompt_token_ids": [1, 2]}], "n": 3,
+                "sampling": {"max_tokens": 4}, "batch_id": "p"}  # fmt: skip
+        async with (
+            aiohttp.ClientSession(base_url=base) as http,
+            http.post("/v1/batches", json=body) as r,
+        ):
+            assert r.status == 200, await r.text()
+            assert len((await r.json())["ids"]) == 3
+        assert await queue.llen(QUEUE_LIST) == 3
+    finally:
+        api.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(api.wait, 30)
+    assert code == 0, log.read_text()
