@@ -31,7 +31,9 @@ A retry after a failure between chunks finds the earlier chunks recorded (same r
 writes the rest. With the queue on a Redis of its own (``store.queue_redis``), step 3 is two
 ordered steps, store first (``store.submit_apart``), and every read of steps 1 and 2 is the
 store's connection's, never rq's. One script per chunk rather than a transaction of per-rollout
-commands: the client's cost is per reply, and 10,000 rollouts are ~20 replies.
+commands: the client's cost is per reply, and 10,000 rollouts are ~20 replies. On Redis
+Cluster (always with the queue apart) step 1 is three steps and step 3's store step is a call
+per slot (``store.submit_cluster``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from rq import Queue
 from rq.job import Job
 
 from statemachine import Submitted, codec
-from store import defaults, scripts, submit_apart
+from store import defaults, scripts, submit_apart, submit_cluster
 from store.affinity import Affinity
 from store.errors import RolloutExists, StoreError
 from store.event_store import FIRST, EventStore, submitted_record
@@ -135,13 +137,16 @@ def record(
     its session and preferred worker and are hinted to that worker (``store.affinity``).
     ``jobs``: the queue's job writer, kept by a caller that submits often."""
     keys = store.keys
+    if store.cluster and not apart:  # rq cannot run on a cluster (store.queue_redis)
+        raise ValueError("a store on Redis Cluster records submits with the queue apart")
     new: list[Submitted] = []
     if named_ids:
         # Named ids may be held by another submission's rollouts: refused before anything
         # (the batch record included) is written.
         _check_batch(conn, keys, submission)
         new = _new_rollouts(conn, keys, submission, chunk)
-    created, version = _create_batch(conn, keys, queue, submission, named_ids, retention_s)
+    created, version = _create_batch(conn, keys, queue, submission, named_ids, retention_s,
+                                     cluster=store.cluster)  # fmt: skip
     submission = replace(submission, admitted_version=version)
     # Generated ids (<batch>.<group>.<sample>) of a batch this call created: nothing can hold
     # them (should something, the chunk's script still refuses to overwrite it), so they
@@ -181,15 +186,20 @@ def _write(
     def calls() -> Iterator[tuple[list[str], list[Any]]]:
         # A fresh batch's events are made as their chunk is, chunk k+1 while Redis records
         # chunk k (each takes about as long as the other).
-        events = (submission.event(k) for k in range(len(submission))) if new is None else new
-        for part in _chunks(store, events, chunk, chunk_bytes):
+        for part in _chunks(store, _events(submission, new), chunk, chunk_bytes):
             parts.append([cast(Submitted, p.event) for p in part])
             if apart:
                 yield submit_apart.chunk_call(store.keys, part)
             else:
                 yield _chunk_call(store.keys, jobs, part, affinity)
 
-    replies = scripts.run_windowed_sync(conn, scripts.SUBMIT_CHUNK, calls())
+    if store.cluster:  # a call per slot, one round trip per master (store.submit_cluster)
+        replies = []
+        for part in _chunks(store, _events(submission, new), chunk, chunk_bytes):
+            parts.append([cast(Submitted, p.event) for p in part])
+            replies.append(submit_cluster.record_chunk(conn, store.keys, part))
+    else:
+        replies = scripts.run_windowed_sync(conn, scripts.SUBMIT_CHUNK, calls())
     if apart:
         replies = submit_apart.push(jobs, store.keys, parts, replies, affinity)
     raced = [
@@ -209,6 +219,12 @@ def _write(
             submit_apart.repush(conn, jobs, store.keys, [e.rollout_id for e in raced], affinity)
 
 
+def _events(submission: Submission, new: Sequence[Submitted] | None) -> Iterable[Submitted]:
+    """The events to write: ``new``, or (None) every one of the submission's, made as their
+    chunk is."""
+    return (submission.event(k) for k in range(len(submission))) if new is None else new
+
+
 def _retry(
     conn: Redis, store: EventStore, submission: Submission, jobs: JobWriter,
     affinity: Affinity | None,
@@ -221,12 +237,15 @@ def _retry(
 
 def _create_batch(
     conn: Redis, keys: Keys, queue: Queue, submission: Submission, named_ids: bool,
-    retention_s: int,
+    retention_s: int, *, cluster: bool = False,
 ) -> tuple[bool, int]:  # fmt: skip
     """``create_batch.lua``: whether it created the batch (False: recorded already by this
     same submission), and the newest published weight version (0 before any); refuses
-    (``BatchConflict``) a batch recorded by another submission."""
+    (``BatchConflict``) a batch recorded by another submission. ``cluster``: in the three
+    steps of ``store.submit_cluster``."""
     call = _create_call(keys, queue, submission, named_ids, retention_s)
+    if cluster:
+        return _created(submission, submit_cluster.create_batch(conn, call))
     return _created(submission, scripts.run_sync(conn, scripts.CREATE_BATCH, *call))
 
 
@@ -267,7 +286,7 @@ async def record_async(
     order either way (see the module's docstring). ``conn``: the store's sync connection;
     ``apart``: the queue is on a Redis of its own, whose step is rq's synchronous connection's
     (``store.queue.push_jobs``): all of it in a thread then."""
-    if apart or named_ids or len(submission) > defaults.SUBMIT_CHUNK:
+    if apart or store.cluster or named_ids or len(submission) > defaults.SUBMIT_CHUNK:
         return await asyncio.to_thread(record, conn, queue, store, submission,
                                        named_ids=named_ids, retention_s=retention_s,
                                        affinity=affinity, jobs=jobs, apart=apart)  # fmt: skip

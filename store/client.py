@@ -27,8 +27,9 @@ from store import (
     waiting,
 )  # fmt: skip
 from store.batches import BatchConflict, BatchInfo
+from store.cluster_appends import ClusterUnsupported
 from store.completions import UnknownPosition, WaitTimeout
-from store.connection import connect, connect_sync
+from store.connection import connect, connect_store, connect_sync, connect_sync_store
 from store.errors import GroupNotFound, RolloutNotFound, StoreUnwritable, named, named_stream
 from store.event_store import EventStore
 from store.keys import Keys
@@ -48,6 +49,11 @@ __all__ = ["AckReport", "Batch", "BatchConflict", "RolloutClient", "RolloutEnded
            "WaitTimeout"]  # fmt: skip
 
 
+# An indexed batch with no record younger than this may be a submit's under way (the index is
+# written first on a cluster): not forgotten yet. A submit records it within a round trip.
+INDEX_GRACE_S = 60.0
+
+
 class RolloutClient:
     def __init__(
         self,
@@ -61,21 +67,26 @@ class RolloutClient:
         max_tokens_cap: int | None = defaults.MAX_TOKENS_CAP,
         min_replicas_acked: int = 0,
     ) -> None:
-        """``queue_url``: rq's queue, when not on the store's Redis (``store.queue_redis``);
-        ``min_replicas_acked``: a write counts as done once that many replicas have it
-        (``store.replicas``), else it raises ``ReplicasNotAcked``; retry it as it was."""
-        self.redis = connect(url)
+        """``url``: the store's Redis, or a Redis Cluster (``redis+cluster://host:port,...``),
+        which needs ``queue_url``; ``queue_url``: rq's queue, when not on the store's Redis
+        (``store.queue_redis``); ``min_replicas_acked``: a write counts as done once that many
+        replicas have it (``store.replicas``; on a cluster, of every master), else it raises
+        ``ReplicasNotAcked``; retry it as it was."""
+        # A cluster store without a queue of its own is refused as the commands refuse it.
+        queue_redis.resolve(url, queue_url, env={})
+        self.redis = connect_store(url)
         self.min_replicas_acked = min_replicas_acked
+        # keys None: the store picks them (a group's rollouts in one slot on a cluster).
         self.store = EventStore(self.redis, keys, replicas_acked=min_replicas_acked)
         self.keys = self.store.keys
-        self.weights = WeightRegistry(self.redis, keys)
+        self.weights = WeightRegistry(self.redis, self.keys)
         # rq is synchronous: it gets its own (sync) connection to the queue's Redis, used from a
         # thread (and shared by an EnvironmentClient beside this client, for its rq job
         # templates: store.api). Apart, the submit's store reads and step get one of their
         # own (sync_store), and ack and stats reach the queue on an asyncio one (queue_redis).
         self.queue_apart = queue_redis.apart(url, queue_url)
         self.sync_redis = connect_sync(queue_url or url)
-        self.sync_store = connect_sync(url) if self.queue_apart else self.sync_redis
+        self.sync_store = connect_sync_store(url) if self.queue_apart else self.sync_redis
         self.queue_redis = connect(queue_url or url) if self.queue_apart else self.redis
         self._queue = rollout_queue(self.sync_redis, queue_name)
         self._jobs: JobWriter | None = None
@@ -119,6 +130,11 @@ class RolloutClient:
             tokenizer=templater,
             max_tokens_cap=self.max_tokens_cap,
         )
+        if session is not None:
+            sessions.refuse_on_cluster(self.redis)  # before anything is written
+        if self.store.cluster and any(r.episode is not None for r in s.requests):
+            raise ClusterUnsupported("episodes (their tool calls' indexes span hash slots) "
+                                     "are not offered on Redis Cluster yet")  # fmt: skip
         if self._jobs is None:  # rq's job template, made once (it asks Redis: in a thread)
             self._jobs = await asyncio.to_thread(JobWriter, self._queue)
         # Before the batch is recorded (store.sessions says why); checks the session id.
@@ -146,15 +162,19 @@ class RolloutClient:
     @named
     async def batches(self) -> list[str]:
         """Every batch still recorded, oldest first: what a restarted trainer re-attaches to."""
-        ids = await self.redis.zrange(self.keys.batches(), 0, -1)
-        if not ids:
+        entries = await self.redis.zrange(self.keys.batches(), 0, -1, withscores=True)
+        if not entries:
             return []
+        ids = [b for b, _ in entries]
         async with self.redis.pipeline(transaction=False) as pipe:
             for b in ids:
                 pipe.exists(self.keys.batch(b.decode()))
             alive = await pipe.execute()
-        gone = [b for b, a in zip(ids, alive, strict=True) if not a]
-        if gone:  # expired or fully acknowledged: forget them
+        # Expired or fully acknowledged: forgotten. On a cluster a submit indexes its batch
+        # before it records it (store.submit_cluster): one indexed a moment ago is left be.
+        young = time.time() - INDEX_GRACE_S
+        gone = [b for (b, at), a in zip(entries, alive, strict=True) if not a and at < young]
+        if gone:
             await self.redis.zrem(self.keys.batches(), *gone)
         return [b.decode() for b, a in zip(ids, alive, strict=True) if a]
 
@@ -314,8 +334,10 @@ class RolloutClient:
         )
         if batch_id is not None and group is None and not report.live:
             # UNLINK: a stream whose entries outlived their rollouts (expired) is freed in
-            # the background, not while Redis serves no one else.
-            await self.redis.unlink(self.keys.batch(batch_id), self.keys.completions(batch_id))
+            # the background, not while Redis serves no one else. (One slot: the batch's; on
+            # a cluster, with the record of delivered completions, ``store.outbox``.)
+            await self.redis.unlink(self.keys.batch(batch_id), self.keys.completions(batch_id),
+                                    self.keys.completion_ids(batch_id))  # fmt: skip
             await self.redis.zrem(self.keys.batches(), batch_id)
         return report
 

@@ -284,6 +284,16 @@ class Keys:
         """A write made only to be waited for (``store.replicas``): a string that expires."""
         return f"{self.namespace}:replica-mark"
 
+    def slot_replica_mark(self, slot: int) -> str:
+        """``replica_mark`` on Redis Cluster: one in a slot of each master, since ``WAIT``
+        confirms one master's writes only (``store.replicas``)."""
+        return f"{self.replica_mark()}:{{{slot_tag(slot)}}}"
+
+    def slot_write_probe(self, slot: int) -> str:
+        """``write_probe`` on Redis Cluster: one in a slot of each master, each asked whether
+        it accepts writes (``store.writable``)."""
+        return f"{self.write_probe()}:{{{slot_tag(slot)}}}"
+
     def write_probe(self) -> str:
         """Never created: ``SET`` of it with ``XX`` writes nothing, yet Redis refuses it as any
         write when it refuses writes (``store.writable``)."""

@@ -8,7 +8,8 @@ log and come back with the result.
 
 Acknowledge deletes an ended rollout's log, snapshot, completion entry and rq job in one
 script (``lua/ack.lua``); a rollout that has not ended is never deleted. With the queue on a
-Redis of its own, the jobs go first, on the queue, then the rest (``store.ack_apart``).
+Redis of its own, the jobs go first, on the queue, then the rest (``store.ack_apart``); on
+Redis Cluster, ordered steps each in one slot (``store.ack_cluster``).
 
 Both go to Redis ``BULK_CHUNK`` rollouts at a time (``store.bulk``): a whole batch's worth in
 one transaction would keep every other client (the workers' lease renewals) waiting.
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from statemachine import RolloutState, Status, commands
-from store import ack_apart, bulk, scripts
+from store import ack_apart, ack_cluster, bulk, scripts
 from store.errors import AppendRefused, RolloutNotFound, SequenceConflict, StoreError
 from store.event_store import EventStore, read_head, submitted_record
 
@@ -133,6 +134,13 @@ async def ack(
     ``queue``: the queue's Redis, when it is not the store's: the rollouts' jobs are deleted
     there first (``store.ack_apart``), and ``ack.lua`` touches no rq key."""
     keys = store.keys
+    if store.on_cluster is not None:
+        if queue is None:  # a cluster store's client always has one (store.queue_redis)
+            raise ValueError("an ack on Redis Cluster needs the queue's Redis")
+        replies = []
+        for part_ids, part_batches in zip(bulk.chunks(ids), bulk.chunks(batches), strict=True):
+            replies += await ack_cluster.ack(store.on_cluster, keys, part_ids, part_batches, queue)
+        return _report(ids, replies)
     prefix = "rq:" if queue is None else ""
     calls = [
         ((*keys.rollout(rid), keys.completions(batch)), [prefix])
@@ -146,6 +154,10 @@ async def ack(
                 queue, await ack_apart.ended_jobs(store.redis, keys, part_ids)
             )
         replies += await scripts.ACK.many(store.redis, part)
+    return _report(ids, replies)
+
+
+def _report(ids: Sequence[str], replies: Sequence[list[bytes]]) -> AckReport:
     report = AckReport()
     for rid, reply in zip(ids, replies, strict=True):
         {b"ok": report.acked, b"live": report.live, b"missing": report.missing}[reply[0]].append(

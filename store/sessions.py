@@ -22,17 +22,32 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from statemachine import Status, codec, harness_commands
 from store import batches, defaults
 from store.affinity import Affinity
 from store.batches import BatchInfo
+from store.cluster_appends import ClusterUnsupported
 from store.errors import RolloutNotFound, SequenceConflict
 from store.event_store import HEAD, EventStore
 from store.keys import Keys
 from store.lifecycle import AckReport
 
 GONE = "gone"  # the status listed for a rollout acknowledged or expired on its own
+
+
+def refuse_on_cluster(redis: Redis) -> None:
+    """Sessions are not offered on Redis Cluster (``ClusterUnsupported``), refused before
+    anything is written: a session's calls are batches in slots of their own beside its index,
+    its acknowledgement deletes keys of all of them at once, its calls' jobs prefer a worker
+    through hints beside the queue, and its turns are episodes, whose tool-call indexes span
+    slots (docs/cluster-plan.md, M1)."""
+    if isinstance(redis, RedisCluster):
+        raise ClusterUnsupported(
+            "sessions (X-Session-ID, session=, harness turns) are not offered on Redis Cluster "
+            "yet: their keys span hash slots; serve them from a store on one Redis"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +76,7 @@ async def note(redis: Redis, keys: Keys, session_id: str, batch_id: str, at: flo
     whether it was added (not there before), and the worker that started the session's
     latest call (None if none did yet: ``store.affinity``). The session's worker record is
     created empty with the index, and lives as long (a worker only overwrites it)."""
+    refuse_on_cluster(redis)
     key, worker = keys.session(session_id), keys.session_worker(session_id)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.zadd(key, {batch_id: at}, nx=True)
@@ -80,6 +96,7 @@ async def note_turn(redis: Redis, keys: Keys, session_id: str, batch_id: str, en
     """``note`` for a call that is a later turn of a harness-driven episode, with its turn
     index entry (``store.harness_turns``) in the same transaction (one slot: the session's).
     Returns the session's worker (None if none started a call yet)."""
+    refuse_on_cluster(redis)
     key, worker, turns = keys.session(session_id), keys.session_worker(session_id), (
         keys.session_turns(session_id))  # fmt: skip
     async with redis.pipeline(transaction=True) as pipe:
@@ -102,6 +119,7 @@ async def begin(
     none."""
     if session_id is None:
         return False, None
+    refuse_on_cluster(redis)
     added, last = await note(redis, keys, session_id, batch_id, time.time(), retention_s)
     return added, Affinity(session_id, last)
 
@@ -110,6 +128,7 @@ async def release(redis: Redis, keys: Keys, session_id: str) -> bool:
     """The session's trajectory ended (SkyRL's ``/finish_session``): forget the worker its
     calls prefer, so no later hint holds a place for it; its calls stay listed until they are
     acknowledged or expire. Whether it named one."""
+    refuse_on_cluster(redis)
     return bool(await redis.unlink(keys.session_worker(session_id)))
 
 
@@ -118,6 +137,7 @@ async def unnote(redis: Redis, keys: Keys, session_id: str, batch_id: str) -> No
     batch id belongs to another submission, perhaps another session's call. A session left
     with no call loses its worker record too (``note`` made it; nothing would expire it
     sooner than the session's retention)."""
+    refuse_on_cluster(redis)
     key = keys.session(session_id)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.zrem(key, batch_id)
@@ -129,6 +149,7 @@ async def unnote(redis: Redis, keys: Keys, session_id: str, batch_id: str) -> No
 
 async def batch_ids(redis: Redis, keys: Keys, session_id: str) -> list[str]:
     """The session's calls' batch ids in order, batches gone or never recorded included."""
+    refuse_on_cluster(redis)
     return [b.decode() for b in await redis.zrange(keys.session(session_id), 0, -1)]
 
 
@@ -136,6 +157,7 @@ async def calls(redis: Redis, keys: Keys, session_id: str) -> list[tuple[str, fl
     """The session's recorded calls in order: (batch id, when made, its record). A call that
     is a later turn of a harness-driven episode (``store.harness_turns``) has no batch record
     of its own: its record names its episode (``BatchInfo.turn``)."""
+    refuse_on_cluster(redis)
     entries = await redis.zrange(keys.session(session_id), 0, -1, withscores=True)
     if not entries:
         return []
@@ -160,6 +182,7 @@ async def calls(redis: Redis, keys: Keys, session_id: str) -> list[tuple[str, fl
 async def listing(redis: Redis, keys: Keys, session_id: str) -> list[SessionCall]:
     """``RolloutClient.session``: the calls, each with its rollouts' states (one round trip
     for the states of all)."""
+    refuse_on_cluster(redis)
     found = await calls(redis, keys, session_id)
     ids = [r for _, _, info in found for r in info.ids]
     async with redis.pipeline(transaction=False) as pipe:
@@ -196,6 +219,7 @@ def _turn_statuses(listed: list[SessionCall]) -> list[SessionCall]:
 async def rollouts(redis: Redis, keys: Keys, session_id: str) -> list[str]:
     """Every rollout of the session's recorded calls, in call order (what a cancel covers),
     each once (the turns of one episode are one rollout)."""
+    refuse_on_cluster(redis)
     found = [r for _, _, info in await calls(redis, keys, session_id) for r in info.ids]
     return list(dict.fromkeys(found))
 
@@ -212,6 +236,7 @@ async def ack(
     ``store``, a harness-driven episode of the session that waits for its next call ends first
     (``session_end``): the trainer is done with the session, and a later call of it starts
     an episode of its own."""
+    refuse_on_cluster(redis)
     report = AckReport()
     listed = await batch_ids(redis, keys, session_id)
     turns = keys.session_turns(session_id)

@@ -7,7 +7,8 @@ next_turn) count the rollouts in them now; terminal states count every rollout t
 so. Workers publish a heartbeat (``beat``) with their in-flight count and weight version; queue
 depths are rq's lists. ``read_stats`` gets all of it in one round trip; with the queue on a
 Redis of its own (``store.queue_redis``), the depths are read there, beside the store's read
-(two reads, not one instant: this is display data).
+(two reads, not one instant: this is display data). On Redis Cluster the counters are kept
+per slot and summed (``store.slot_counters``), read beside the heartbeats and the depths.
 
 A heartbeat's age is judged by Redis's clock, never by a host's: a worker stamps its beat with
 the time its lease renewal read from Redis (``Leases.renew``), and readers compare it with
@@ -24,12 +25,14 @@ from typing import Any
 
 import msgpack
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from rq import Queue
 
 from statemachine import Status
 from store import scripts
 from store.keys import Keys
 from store.pause import Pause
+from store.slot_counters import summed
 
 # stats.lua's rq prefix that reads no rq key.
 RQ_NONE = ""
@@ -98,7 +101,12 @@ async def remove(redis: Redis, keys: Keys, worker_id: str) -> None:
 
 async def read_stats(redis: Redis, keys: Keys, queue: Redis | None = None) -> Stats:
     """``queue``: the queue's Redis, when it is not the store's (``redis``)."""
-    if queue is None:
+    if isinstance(redis, RedisCluster):  # counters per slot; the queue is always apart there
+        total, (_, beats, _, now_ms), queues = await asyncio.gather(
+            summed(redis, keys), _workers(redis, keys), _depths(queue) if queue else _none()
+        )
+        counters = [x for field, n in total.items() for x in (field, n)]
+    elif queue is None:
         counters, beats, queues, now_ms = await _read(redis, keys)
     else:
         (counters, beats, _, now_ms), queues = await asyncio.gather(
@@ -121,8 +129,9 @@ async def read_stats(redis: Redis, keys: Keys, queue: Redis | None = None) -> St
 
 async def prune(redis: Redis, keys: Keys, older_than_s: float = WORKER_STALE_S) -> list[str]:
     """Drop the heartbeats of workers gone quiet (killed ones never remove their own)."""
-    # One round trip every ~10 s; no queue read (none is needed: the queue may be elsewhere).
-    _, beats, _, now_ms = await _read(redis, keys, RQ_NONE)
+    # One round trip every ~10 s; no counters, no queue read (none is needed: the queue may be
+    # elsewhere, the counters are per slot on a cluster).
+    _, beats, _, now_ms = await _workers(redis, keys)
     now = int(now_ms) / 1000
     stale = [
         k.decode()
@@ -138,6 +147,16 @@ async def _read(redis: Redis, keys: Keys, rq_prefix: str = "rq:") -> list[Any]:
     """Counters, heartbeats, queue depths and Redis's clock (ms), in one round trip; no
     depths (an empty list) with ``rq_prefix`` ``RQ_NONE``."""
     return list(await scripts.STATS(redis, [keys.stats(), keys.workers()], [rq_prefix]))
+
+
+async def _workers(redis: Redis, keys: Keys) -> list[Any]:
+    """``_read`` of the heartbeats alone (stats.lua's one-key form: one slot, on a cluster
+    too), with the clock of their Redis."""
+    return list(await scripts.STATS(redis, [keys.workers()], [RQ_NONE]))
+
+
+async def _none() -> list[Any]:
+    return []
 
 
 async def _depths(queue: Redis) -> list[Any]:

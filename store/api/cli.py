@@ -16,6 +16,7 @@ from store import defaults, queue_redis, redis_options
 from store.connection import DEFAULT_URL, redact
 from store.errors import InvalidRedisUrl
 from store.logs import add_log_format
+from store.slots import is_cluster_url
 
 TOKEN_ENV = "ROLLOUTS_API_TOKEN"
 DEFAULT_HOST = "127.0.0.1"
@@ -112,10 +113,29 @@ def run(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1024:
         return _refuse(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     for each in dict.fromkeys((url, queue_url)):  # the queue's Redis too, when its own
-        problem = redis_options.check(each)
+        problem = _check(each)
         if problem is not None:
             return _refuse(problem)
     return _serve(args, url, queue_url, token)
+
+
+def _check(url: str) -> str | None:
+    """``redis_options.check``, or for a Redis Cluster (``--redis redis+cluster://...``): its
+    slot map read from the nodes listed (a cluster client does so when made), then closed."""
+    if not is_cluster_url(url):
+        return redis_options.check(url)
+    from redis.exceptions import RedisError  # noqa: PLC0415
+
+    from store.connection import connect_sync_store  # noqa: PLC0415
+
+    try:
+        client = connect_sync_store(url)
+    except InvalidRedisUrl as exc:
+        return str(exc)
+    except (RedisError, OSError) as exc:  # no node listed answers, or refused the client
+        return f"cannot reach the Redis Cluster at {redact(url)}: {exc}"
+    client.close()
+    return None
 
 
 def _serve(args: argparse.Namespace, url: str, queue_url: str, token: str | None) -> int:

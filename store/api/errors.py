@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from statemachine import FailureClass, InvalidRequest
 from store import defaults
 from store.batches import BatchConflict
+from store.cluster_appends import ClusterUnsupported
 from store.completions import UnknownPosition, WaitTimeout
 from store.errors import (
     ClaimLost,
@@ -78,6 +79,8 @@ _NAMED: tuple[tuple[type[Exception], int, str], ...] = (
     (UnknownPosition, 404, "unknown_position"),
     (InvalidRequest, 422, "invalid_request"),
     (WaitTimeout, 504, "timeout"),
+    # Asked of a store on Redis Cluster, which does not offer it (yet): nothing was written.
+    (ClusterUnsupported, 501, "cluster_unsupported"),
 )
 
 # "prompts[3]: sampling.max_tokens must be ..." -> "prompts.3.sampling.max_tokens"

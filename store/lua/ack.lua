@@ -6,6 +6,10 @@
 -- ARGV[1]  rq's key prefix for the job and its registries ("rq:"); "" when the queue is on
 --          a Redis of its own (store/queue_redis.py): its jobs are not here, and the ack
 --          deleted them there first (lua/drop_job.lua), so this deletes the rollout only
+-- ARGV[2]  "outbox" on Redis Cluster (store/ack_cluster.py), where the batch's stream is in
+--          another slot: KEYS[3] is then the rollout's slot's outbox, from which the rollout
+--          is removed (ARGV[3]: its id); its completion entry was removed from the batch's
+--          stream by the ack's batch step already (lua/drop_completions.lua), so no XDEL here
 --
 -- Returns {"ok"} | {"missing"} (no such rollout: acknowledged or expired already) |
 -- {"live", status} (not ended: nothing deleted; a live rollout is never deleted)
@@ -18,7 +22,9 @@ end
 if st ~= 'done' and st ~= 'failed' and st ~= 'cancelled' then
   return {'live', st}
 end
-if snap[2] then
+if ARGV[2] == 'outbox' then
+  redis.call('ZREM', KEYS[3], ARGV[3])
+elseif snap[2] then
   redis.call('XDEL', KEYS[3], snap[2])
 end
 -- Every job made for the rollout, space-separated: the submit's, then each one the reaper, the

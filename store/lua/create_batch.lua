@@ -15,9 +15,17 @@
 -- Returns {outcome, latest}: outcome "new" (recorded), "same" (already recorded with this
 -- fingerprint: a retry) or "different" (another submission holds this batch id: nothing
 -- written); latest the newest weight-log entry's id ("" when none was published).
-local latest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
+--
+-- The batch record's part only (Redis Cluster, where the three keys are three slots; store/
+-- submit_cluster.py): KEYS[1] alone, the same ARGV. Its caller read the weight log and added
+-- the batch to the index (ZADD NX) first; this reads no version ("" as latest) and indexes
+-- nothing. Told apart by the count of KEYS.
+local whole = #KEYS == 3
 local version = ''
-if latest[1] then version = latest[1][1] end
+if whole then
+  local latest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
+  if latest[1] then version = latest[1][1] end
+end
 local fp = redis.call('HGET', KEYS[1], 'fp')
 if fp then
   if fp == ARGV[2] then return {'same', version} end
@@ -25,5 +33,5 @@ if fp then
 end
 redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'groups', ARGV[3], 'n', ARGV[4], 'ids', ARGV[5],
   'queue', ARGV[6], 'ttl', ARGV[7], 'at', ARGV[8])
-redis.call('ZADD', KEYS[2], ARGV[8], ARGV[1])
+if whole then redis.call('ZADD', KEYS[2], ARGV[8], ARGV[1]) end
 return {'new', version}

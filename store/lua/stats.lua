@@ -1,6 +1,9 @@
 -- Everything `stats` reports, read in one round trip.
 --
 -- KEYS[1]  the deployment's counters (hash)    KEYS[2]  the workers' heartbeats (hash)
+-- or KEYS[1] the workers' heartbeats alone: no counters are read (on Redis Cluster they are
+-- kept per slot, summed apart: store/slot_counters.py; a reaper's prune needs none), and the
+-- clock is the heartbeats' master's
 -- ARGV[1]  rq's key prefix ("rq:"); "" reads no rq key (the queue on a Redis of its own,
 --          whose depths its caller reads there, or a caller that wants none: a reaper's prune)
 --
@@ -16,4 +19,6 @@ for _, key in ipairs(names) do
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), queues, now}
+local counters = {}
+if #KEYS == 2 then counters = redis.call('HGETALL', KEYS[1]) end
+return {counters, redis.call('HGETALL', KEYS[#KEYS]), queues, now}

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from statemachine import RolloutRequest, Status
-from store import defaults
+from store import defaults, sessions
 from store.client import RolloutClient
 from store.harness_turns import HarnessTurns
 from store.results import RolloutResult
@@ -141,6 +141,8 @@ class Calls:
         ``max_waiting``, and with ``on_disconnect="cancel"`` cancels its rollouts. Raises
         ``CallFailed`` for a rollout that ended without an answer, ``WaitTimeout`` past the
         call timeout."""
+        if call.session is not None:  # ClusterUnsupported on a cluster, before anything
+            sessions.refuse_on_cluster(self.client.redis)
         async with self.slot():
             meta = {**call.request.metadata, **session_metadata(call)}
             request = replace(call.request, metadata=meta)
