@@ -3,7 +3,7 @@ acknowledge, publish weights, read stats (a training step: the README's "A train
 
 ``RolloutClient`` is asyncio and is the one place these operations live (the HTTP API calls
 it); ``SyncRolloutClient`` offers the same calls to a synchronous trainer loop by running the
-async client on a private event-loop thread (``store.sync_client``).
+async client on a private event-loop thread (``store.sync_client``, which imports this one).
 """
 
 from __future__ import annotations
@@ -40,12 +40,11 @@ from store.results import GroupResult, RolloutResult, Tokenizer
 from store.sessions import SessionCall
 from store.stats import Stats, read_stats
 from store.submission import Batch, ChatTemplater, Prompt
-from store.sync_client import SyncRolloutClient
 from store.trajectory import Trajectory, load_trajectory
 from store.weights import WeightRegistry, WeightVersion
 
 __all__ = ["AckReport", "Batch", "BatchConflict", "RolloutClient", "RolloutEnded", "SessionCall",
-           "StoreUnwritable", "SyncRolloutClient", "Trajectory", "UnknownPosition",
+           "StoreUnwritable", "Trajectory", "UnknownPosition",
            "WaitTimeout"]  # fmt: skip
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from store.client import RolloutClient
 from store.lifecycle import AckReport
 from store.results import GroupResult, RolloutResult
 from store.sessions import SessionCall
@@ -16,9 +17,6 @@ from store.stats import Stats
 from store.submission import Batch, Prompt
 from store.trajectory import Trajectory
 from store.weights import WeightVersion
-
-if TYPE_CHECKING:
-    from store.client import RolloutClient
 
 T = TypeVar("T")
 
@@ -88,6 +86,4 @@ class SyncRolloutClient:
 
 async def _make(url: str, queue_url: str | None, kwargs: dict[str, Any]) -> RolloutClient:
     # Made on the private loop: the client's asyncio connections belong to it.
-    from store.client import RolloutClient  # noqa: PLC0415  (store.client re-exports this one)
-
     return RolloutClient(url, queue_url=queue_url, **kwargs)

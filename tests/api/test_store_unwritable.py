@@ -20,9 +20,10 @@ from redis import Redis
 from statemachine import RolloutRequest, SamplingParams
 from store import defaults
 from store.api.app import make_app
-from store.client import RolloutClient, StoreUnwritable, SyncRolloutClient
+from store.client import RolloutClient, StoreUnwritable
 from store.errors import Refusal
 from store.redis_server import RedisServer
+from store.sync_client import SyncRolloutClient
 from tests.api.helpers import dump_all
 from tests.unwritable import REFUSALS, conditions, oom_hold, wait_accepting, wait_refusing
 

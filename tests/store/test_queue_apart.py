@@ -221,7 +221,7 @@ async def test_stats_read_the_queue_depths_on_the_queue(
 async def test_the_sync_client_takes_the_queue_too(
     redis_server: RedisServer, dbs: tuple[aredis.Redis, aredis.Redis]
 ) -> None:
-    from store.client import SyncRolloutClient
+    from store.sync_client import SyncRolloutClient
 
     sync = SyncRolloutClient(_db(redis_server, 0), queue_url=_db(redis_server, 1))
     try:

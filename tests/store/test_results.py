@@ -241,7 +241,7 @@ async def test_results_take_k_and_the_sync_client(
 ) -> None:
     import threading
 
-    from store.client import SyncRolloutClient
+    from store.sync_client import SyncRolloutClient
 
     sync = SyncRolloutClient(redis_server.url)
     try:
