@@ -5,6 +5,7 @@ uninterrupted run, spread over every master."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -15,14 +16,15 @@ import pytest
 from redis import Redis
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
-from statemachine import Aborted, Finished, Membership, RolloutRequest, Started, Status, Submitted
+from statemachine import Aborted, Finished, Membership, RolloutRequest, Started, Status
 from store import cluster_appends
-from store.connection import connect_sync_store
+from store.client import RolloutClient
 from store.event_store import EventStore
-from store.queue import enqueue_rollouts, rollout_queue
 from store.redis_cluster import RedisCluster
 from store.redis_server import RedisServer
 from tests import factories as f
+from tests.cluster.test_cluster_trainer import every_key
+from tests.ops.test_ops_cli import cli
 from tests.workers.helpers import (
     SYNTHETIC,
     direct_greedy,
@@ -49,17 +51,12 @@ def queue_url(redis_server: RedisServer) -> str:
 
 async def _submit(store: EventStore, url: str, queue_url: str, reqs: list[RolloutRequest],
                   batch: str) -> list[str]:  # fmt: skip
-    """The rollouts recorded on the cluster and enqueued, as an operator's requeue does."""
-    ids = [f"{batch}.{i}.0" for i in range(len(reqs))]
-    for i, (rid, r) in enumerate(zip(ids, reqs, strict=True)):
-        member = Membership(batch_id=batch, group_index=i)
-        await store.append(None, Submitted(rollout_id=rid, seq=1, request=r, membership=member))
-    sync = connect_sync_store(url)
-    with Redis.from_url(queue_url) as q:
-        await asyncio.to_thread(enqueue_rollouts, rollout_queue(q), ids, keys=store.keys,
-                                store=sync)  # fmt: skip
-    sync.close()
-    return ids
+    """Submitted as a trainer submits, by the client on the cluster (its queue apart)."""
+    client = RolloutClient(url, queue_url=queue_url)
+    try:
+        return list(await client.submit(reqs, batch_id=batch))
+    finally:
+        await client.aclose()
 
 
 @pytest.fixture
@@ -76,8 +73,9 @@ async def worker_task(
 
 
 async def test_a_worker_generates_across_the_cluster(
-    store: EventStore, cluster: RedisCluster, queue_url: str, worker_task: Worker
-) -> None:
+    store: EventStore, cluster: RedisCluster, cluster_client: ClusterClient, queue_url: str,
+    worker_task: Worker,
+) -> None:  # fmt: skip
     reqs = [RolloutRequest(prompt_token_ids=p, sampling=greedy(40))
             for p in random_prompts(12, seed=3, length=5)]  # fmt: skip
     ids = await _submit(store, cluster.url, queue_url, reqs, "cw")
@@ -87,13 +85,25 @@ async def test_a_worker_generates_across_the_cluster(
         return all(s.status is Status.DONE for s in states)
 
     await until(all_done, timeout=120, what="the rollouts never ended")
+    await _check_exact(store, ids, reqs)
+    for rid in ids:
+        kinds = [type(e) for e in await store.events(rid)]
+        assert kinds.count(Started) == 1, (rid, kinds)
+    # The trainer's side: results as they came, then acknowledged, leaving nothing of the
+    # batch on any master (the fleet's own keys stay: counters, heartbeats, tokens) and no
+    # job on the queue.
+    client = RolloutClient(cluster.url, queue_url=queue_url)
+    results = await client.wait(ids, timeout=30)
     want = await direct_greedy(None, SYNTHETIC, [r.prompt_token_ids for r in reqs],
                                reqs[0].sampling)  # fmt: skip
-    for rid, (tokens, _) in zip(ids, want, strict=True):
-        s = await store.load(rid)
-        np.testing.assert_array_equal(s.token_ids, tokens)
-        kinds = [type(e) for e in await store.events(rid)]
-        assert kinds.count(Started) == 1 and kinds.count(Finished) == 1
+    for r, (tokens, _) in zip(results, want, strict=True):
+        np.testing.assert_array_equal(r.response_token_ids, tokens)
+    assert sorted((await client.ack(batch_id="cw")).acked) == sorted(ids)
+    left = await every_key(cluster_client)
+    assert {k for k in left if b"cw" in k} == set(), left
+    with Redis.from_url(queue_url) as q:
+        assert q.keys("rq:job:*") == []
+    await client.aclose()
 
 
 async def test_a_worker_sigkilled_on_the_cluster_is_taken_over_and_every_rollout_is_exact(
@@ -166,3 +176,40 @@ async def _check_exact(store: EventStore, ids: list[str], reqs: list[RolloutRequ
         np.testing.assert_allclose(s.logprobs, logprobs)
         kinds = [type(e) for e in await store.events(rid)]
         assert kinds.count(Finished) == 1, (rid, kinds)
+
+
+async def test_the_operator_commands_on_the_cluster_rebuild_a_lost_queue(
+    store: EventStore, cluster: RedisCluster, queue_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The queue's Redis emptied under four waiting rollouts: `stuck` finds each with no job
+    # (a scan of the snapshots on every master), `requeue --all-waiting` gives each one job
+    # (its id on the snapshot in the rollout's slot, the job on the queue), `status` reads the
+    # counters summed over the slots, and a worker then runs every one exactly.
+    reqs = [RolloutRequest(prompt_token_ids=p, sampling=greedy(24))
+            for p in random_prompts(4, seed=9, length=5)]  # fmt: skip
+    ids = await _submit(store, cluster.url, queue_url, reqs, "ops")
+    with Redis.from_url(queue_url) as q:
+        q.flushdb()
+    where = ("--redis", cluster.url, "--queue-redis", queue_url)
+    code, out, err = await cli(capsys, "stuck", "--json", *where)
+    assert code == 0, err
+    assert out.count('"no_job"') == len(ids)
+    code, out, err = await cli(capsys, "requeue", "--all-waiting", *where)
+    assert code == 0, err
+    assert out.splitlines()[-1] == f"requeued {len(ids)} waiting rollouts"
+    code, out, err = await cli(capsys, "status", "--json", *where)
+    assert code == 0, err
+    status = json.loads(out)
+    assert status["rollouts"]["pending"] == len(ids) and status["queues"] == {"rollouts": len(ids)}
+    assert status["store"]["writable"]
+    config = WorkerConfig(redis_url=cluster.url, queue_url=queue_url, name="w", max_concurrency=4)
+    worker = Worker(config, SyntheticEngine(tokens_per_chunk=4, token_delay_s=0.001))
+    task = asyncio.create_task(worker.run())
+    try:
+        await until(lambda: _all_done(store, ids), timeout=60, what="the rollouts never ended")
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 60)
+    await _check_exact(store, ids, reqs)
+    code, out, _ = await cli(capsys, "stuck", *where)
+    assert (code, out) == (0, "no stuck rollouts\n")
