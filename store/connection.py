@@ -132,9 +132,9 @@ def connect(url: str, *, client_name: str | None = None) -> aredis.Redis:
 def _not_a_cluster(url: str) -> None:
     if is_cluster_url(url):
         raise InvalidRedisUrl(
-            "a Redis Cluster URL (redis+cluster://) holds the event store "
-            "(EventStore(connect_cluster(url))), but workers, the API, the trainer client and "
-            "the ops commands do not run on a cluster yet: give them one Redis (redis://)"
+            "this connection needs one Redis (redis://): a Redis Cluster URL "
+            "(redis+cluster://) is for the event store (connect_store), and rq's queue "
+            "(--queue-redis) and episodes' environment runners need one Redis"
         )
 
 

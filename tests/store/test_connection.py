@@ -152,7 +152,7 @@ def test_a_cluster_url_is_refused_where_one_redis_is_needed_and_says_why() -> No
 
     url = "redis+cluster://u:secret@127.0.0.1:7000,127.0.0.1:7001"
     for make in (connect, connect_sync):
-        with pytest.raises(errors.InvalidRedisUrl, match="do not run on a cluster yet") as refused:
+        with pytest.raises(errors.InvalidRedisUrl, match="needs one Redis") as refused:
             make(url)
         assert "secret" not in str(refused.value)
     with pytest.raises(errors.InvalidRedisUrl, match="host:port pairs") as bad:

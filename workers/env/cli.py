@@ -22,6 +22,7 @@ from store.errors import InvalidRedisUrl, InvalidRolloutId
 from store.keys import check_batch_id
 from store.logs import add_log_format
 from store.logs import configure as configure_logs
+from store.slots import is_cluster_url
 from workers.env.runner import DEFAULT_GRACE_S, EnvRunner, RunnerConfig
 from workers.env.tools import load_tools
 
@@ -106,6 +107,12 @@ def run(args: argparse.Namespace) -> int:
         queue_url = queue_redis.resolve(url, args.queue_redis)
     except InvalidRedisUrl as exc:
         return _refuse(str(exc))  # its message names the file, never the URL
+    if is_cluster_url(url):
+        # An episode's tool-call index spans slots: episodes are refused on a cluster store.
+        return _refuse(
+            "episodes do not run on a Redis Cluster store yet: their tool-call index spans "
+            "slots; run the environment runner against one Redis"
+        )
     problem = redis_options.check_each(url, queue_url)
     if problem is not None:
         return _refuse(problem)
