@@ -73,6 +73,9 @@ REAP_RETRY_MAX_S = 15.0
 # trips); only a shortfall makes it look for stranded ones (a SCAN), and a look that finds none
 # to requeue doubles the wait before the next, up to STRANDED_SCAN_MAX_S.
 STRANDED_CHECK_S = 30.0
+# The lease index's shards on Redis Cluster (store.keys.Keys.lease_shards): a deployment's
+# constant, since a rollout's lease is looked for in the shard its id hashes to.
+CLUSTER_LEASE_SHARDS = 16
 # On Redis Cluster, how often some reaper of the fleet delivers the completions an appender
 # that died left in its slot's outbox (workers/outbox_sweep.py, store/outbox.py).
 OUTBOX_SWEEP_S = 5.0

@@ -88,7 +88,11 @@ class EventStore:
         self.cluster = self.on_cluster is not None
         self.replicas_acked = replicas_acked
         # On a cluster a group's rollouts share a slot (``Keys.grouped``).
-        self.keys = keys or Keys(grouped=self.cluster)
+        self.keys = keys or (
+            Keys(grouped=True, lease_shards=defaults.CLUSTER_LEASE_SHARDS)
+            if self.cluster
+            else Keys()
+        )
 
     # -- writes -------------------------------------------------------------------------------
     async def append(self, state: RolloutState | None, event: Event) -> RolloutState:

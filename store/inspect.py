@@ -303,11 +303,8 @@ async def _read_on_cluster(store: EventStore, part: Sequence[str]) -> tuple[list
             pipe.hmget(keys.snapshot(rid), [HEAD, JOB])
             pipe.xrange(keys.log(rid), FIRST, FIRST)
         found = await pipe.execute()
-    read, grace = scripts.READ_LEASES, int(defaults.STORE_REAP_GRACE_S * 1000)
-    lease_keys = [keys.leases(), keys.lease_refusals()]
-    leases = await store.redis.execute_command(  # type: ignore[no-untyped-call]
-        "EVAL", read.text, 2, *lease_keys, grace, *part
-    )
+    view = await Leases(store.redis, keys).read(part)  # the shards', on one clock
+    leases = (view.now_ms, 0, 0, [view.expiries.get(rid) for rid in part], 0)
     quarantined = await store.redis.hmget(keys.quarantine(), list(part))  # type: ignore[misc]
     return found, leases, quarantined
 
@@ -393,7 +390,8 @@ async def _candidates(store: EventStore) -> list[str]:
     leased ones."""
     ids = [rid async for part in with_status(store, UNENDED, unknown=True) for rid in part]
     ids += (await Leases(store.redis, store.keys).quarantined()).keys()
-    ids += [m.decode() for m in await store.redis.zrange(store.keys.leases(), 0, -1)]
+    for shard in range(store.keys.lease_shards):
+        ids += [m.decode() for m in await store.redis.zrange(store.keys.leases(shard), 0, -1)]
     return sorted(set(ids))
 
 

@@ -72,8 +72,9 @@ class Leases:
         lapsed (``lua/lease_grace.lua``)."""
         self.redis = client
         self.keys = keys = keys or Keys()
-        self.key = keys.leases()
+        self.key = keys.leases()  # the one index on one Redis; shard 0 on a cluster
         self.refusals_key = keys.lease_refusals()
+        self.shards = keys.lease_shards
         self.grace_ms = _ms(refusal_grace_s)
         self.quarantine_key = keys.quarantine()
         self.holder_key = keys.worker_leases(holder) if holder else ""
@@ -87,9 +88,8 @@ class Leases:
         holder's set only means the TTL, not presence, recovers it. The script goes by its
         text (``SET_LEASES`` is ``by_text``): no NOSCRIPT can split this pipeline."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.execute_command(
-            *scripts.SET_LEASES.invocation(), 1, self.key, "take", _ms(ttl_s), *rollout_ids
-        )
+        for key, ids in self._by_index(rollout_ids):
+            pipe.execute_command(*scripts.SET_LEASES.invocation(), 1, key, "take", _ms(ttl_s), *ids)
         if self.holder_key:
             pipe.sadd(self.holder_key, *rollout_ids)
         await pipe.execute()
@@ -102,7 +102,8 @@ class Leases:
         where one is there without the other. A MULTI that spans the lease index and the
         rollout's keys, as the appends' own already do (issue 32 for Redis Cluster)."""
         steps: list[scripts.Step] = [
-            scripts.Call(scripts.SET_LEASES, [self.key], ["take", _ms(ttl_s), *rollout_ids])
+            scripts.Call(scripts.SET_LEASES, [key], ["take", _ms(ttl_s), *ids])
+            for key, ids in self._by_index(rollout_ids)
         ]
         if self.holder_key:
             steps.append(("SADD", self.holder_key, *rollout_ids))
@@ -111,8 +112,17 @@ class Leases:
     async def renew(self, rollout_ids: Iterable[str], ttl_s: float) -> int:
         """Extend every lease still held, in one round trip; returns Redis's clock (unix ms),
         which the worker's heartbeat is stamped with (read even when nothing is held)."""
-        args: list[scripts.Arg] = ["renew", _ms(ttl_s), *rollout_ids]
-        return int(await scripts.SET_LEASES(self.redis, [self.key], args))
+        if self.shards == 1:
+            args: list[scripts.Arg] = ["renew", _ms(ttl_s), *rollout_ids]
+            return int(await scripts.SET_LEASES(self.redis, [self.key], args))
+        # One call per shard holding some, pipelined (a batch per master); the clock is the
+        # first shard's, as the heartbeat needs one (masters' clocks agree within NTP).
+        parts = self._by_index(rollout_ids) or [(self.key, [])]
+        pipe = self.redis.pipeline(transaction=False)
+        for key, ids in parts:
+            pipe.execute_command(*scripts.SET_LEASES.invocation(), 1, key, "renew", _ms(ttl_s),
+                                 *ids)  # fmt: skip
+        return int((await pipe.execute())[0])
 
     async def drop(self, rollout_id: str) -> None:
         await self.drop_many([rollout_id])
@@ -120,7 +130,8 @@ class Leases:
     async def drop_many(self, rollout_ids: list[str]) -> list[None]:
         """``drop`` of many leases in one round trip (the worker's coalesced ends)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zrem(self.key, *rollout_ids)
+        for key, ids in self._by_index(rollout_ids):
+            pipe.zrem(key, *ids)
         if self.holder_key:
             pipe.srem(self.holder_key, *rollout_ids)
         await pipe.execute()
@@ -149,26 +160,30 @@ class Leases:
         ``(rollout id, expiry ms)``; none within the grace after Redis last refused a write
         (``lua/lease_grace.lua``: nobody could renew a lease then, so its lapse says nothing
         of its worker)."""
-        keys = [self.key, self.refusals_key]
-        _, rows, _ = await scripts.EXPIRED_LEASES(self.redis, keys, [limit, self.grace_ms])
-        return [(rows[i].decode(), int(rows[i + 1])) for i in range(0, len(rows), 2)]
+        found: list[tuple[str, int]] = []
+        for shard in range(self.shards):  # each shard judged on its own master, with its grace
+            keys = [self.keys.leases(shard), self.keys.lease_refusals(shard)]
+            _, rows, _ = await scripts.EXPIRED_LEASES(self.redis, keys, [limit, self.grace_ms])
+            found += [(rows[i].decode(), int(rows[i + 1])) for i in range(0, len(rows), 2)]
+        return sorted(found, key=lambda row: row[1])[:limit]
 
     async def read(self, rollout_ids: Sequence[str] = ()) -> LeaseView:
         """Redis's clock, the index's counts and the expiry of each of ``rollout_ids``, read
         at one instant."""
-        now, held, expired, expiries, grace = await scripts.READ_LEASES(
-            self.redis, [self.key, self.refusals_key], [self.grace_ms, *rollout_ids]
-        )
-        return LeaseView(
-            now_ms=int(now),
-            held=int(held),
-            expired=int(expired),
-            expiries={
-                rid: None if e is None else int(e)
-                for rid, e in zip(rollout_ids, expiries, strict=True)
-            },
-            grace_until_ms=int(grace),
-        )
+        views = []
+        for shard in range(self.shards):
+            ids = [rid for rid in rollout_ids if self.keys.lease_shard(rid) == shard]
+            keys = [self.keys.leases(shard), self.keys.lease_refusals(shard)]
+            now, held, expired, expiries, grace = await scripts.READ_LEASES(
+                self.redis, keys, [self.grace_ms, *ids]
+            )
+            views.append(LeaseView(
+                now_ms=int(now), held=int(held), expired=int(expired),
+                expiries={rid: None if e is None else int(e)
+                          for rid, e in zip(ids, expiries, strict=True)},
+                grace_until_ms=int(grace),
+            ))  # fmt: skip
+        return views[0] if len(views) == 1 else _merged(views)
 
     async def left_ms(self, rollout_id: str) -> int | None:
         """How long the rollout's lease has left by Redis's clock (<= 0: expired, and a reaper
@@ -178,11 +193,23 @@ class Leases:
     async def expiry(self, rollout_id: str) -> int | None:
         """The lease's expiry as stored (unix ms by Redis's clock): what ``release_if_unchanged``
         and ``quarantine`` compare with. Whether it has passed is ``left_ms``'s to say."""
-        score = await self.redis.zscore(self.key, rollout_id)
+        score = await self.redis.zscore(self.index_of(rollout_id), rollout_id)
         return None if score is None else int(score)
 
     async def release_if_unchanged(self, rollout_id: str, seen_expiry: int) -> bool:
-        return bool(await scripts.RELEASE_LEASE(self.redis, [self.key], [rollout_id, seen_expiry]))
+        key = self.index_of(rollout_id)
+        return bool(await scripts.RELEASE_LEASE(self.redis, [key], [rollout_id, seen_expiry]))
+
+    def index_of(self, rollout_id: str) -> str:
+        """The lease index (shard) holding ``rollout_id``'s lease."""
+        return self.keys.leases(self.keys.lease_shard(rollout_id))
+
+    def _by_index(self, rollout_ids: Iterable[str]) -> list[tuple[str, list[str]]]:
+        """``rollout_ids`` grouped by their lease index, in the order first met."""
+        groups: dict[str, list[str]] = {}
+        for rid in rollout_ids:
+            groups.setdefault(self.index_of(rid), []).append(rid)
+        return list(groups.items())
 
     async def quarantine(self, rollout_id: str, seen_expiry: int, reason: str) -> bool:
         """Move an expired lease to the quarantine with ``reason``, unless renewed meanwhile."""
@@ -196,7 +223,7 @@ class Leases:
                 return True
             await self.redis.hdel(self.quarantine_key, rollout_id)
             return False
-        keys = [self.key, self.quarantine_key]
+        keys = [self.index_of(rollout_id), self.quarantine_key]
         reply = await scripts.QUARANTINE_LEASE(self.redis, keys, [rollout_id, seen_expiry, reason])
         return bool(reply)
 
@@ -208,3 +235,20 @@ class Leases:
 
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
+
+
+def _merged(views: list[LeaseView]) -> LeaseView:
+    """The shards' views as one, on the first shard's clock: each expiry and grace moved by
+    the difference between its own master's clock and that one, so that ``left_ms`` is what
+    the shard's own master would say."""
+    now = views[0].now_ms
+    expiries: dict[str, int | None] = {}
+    grace = 0
+    for v in views:
+        shift = now - v.now_ms
+        expiries.update({r: None if e is None else e + shift for r, e in v.expiries.items()})
+        if v.grace_until_ms:
+            grace = max(grace, v.grace_until_ms + shift)
+    return LeaseView(now_ms=now, held=sum(v.held for v in views),
+                     expired=sum(v.expired for v in views), expiries=expiries,
+                     grace_until_ms=grace)  # fmt: skip

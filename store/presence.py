@@ -259,14 +259,20 @@ class PresenceWatch:
         if not await self.redis.set(self.keys.presence_check(), self.me or "-", nx=True, px=px):
             return []  # another reaper checks this interval
         self.checks += 1
+        shards = range(self.keys.lease_shards)
         if self.store is self.redis:
             pipe = self.redis.pipeline(transaction=False)
             pipe.hgetall(self.keys.presence())
-            pipe.zcard(self.keys.leases())
-            registry, leased = await pipe.execute()
+            for shard in shards:
+                pipe.zcard(self.keys.leases(shard))
+            registry, *held = await pipe.execute()
         else:  # the registry with the queue, the leases with the store
             registry = await self.redis.hgetall(self.keys.presence())  # type: ignore[misc]
-            leased = await self.store.zcard(self.keys.leases())
+            pipe = self.store.pipeline(transaction=False)
+            for shard in shards:
+                pipe.zcard(self.keys.leases(shard))
+            held = await pipe.execute()
+        leased = sum(held)
         windows = {w.decode(): self._window(v) for w, v in registry.items()}
         windows.pop(self.me, None)
         workers = list(windows)
@@ -314,16 +320,22 @@ class PresenceWatch:
         for w in workers:
             pipe.smembers(self.keys.worker_leases(w))
         held = [sorted(m.decode() for m in members) for members in await pipe.execute()]
+        # Each rollout's score from its own shard of the index (one shard on one Redis).
+        asked: list[list[str]] = []
         pipe = self.store.pipeline(transaction=False)
         for ids in held:
-            if ids:
-                pipe.zmscore(self.keys.leases(), ids)
-        scores = iter(await pipe.execute())
-        out: dict[str, dict[str, float]] = {}
-        for w, ids in zip(workers, held, strict=True):
-            row = next(scores) if ids else []
-            out[w] = {r: s for r, s in zip(ids, row, strict=True) if s is not None}
-        return out
+            by_shard: dict[int, list[str]] = {}
+            for rid in ids:
+                by_shard.setdefault(self.keys.lease_shard(rid), []).append(rid)
+            for shard, part in by_shard.items():
+                pipe.zmscore(self.keys.leases(shard), part)
+                asked.append(part)
+        scores: dict[str, float | None] = {}
+        if asked:
+            for part, row in zip(asked, await pipe.execute(), strict=True):
+                scores.update(zip(part, row, strict=True))
+        return {w: {r: s for r in ids if (s := scores[r]) is not None}
+                for w, ids in zip(workers, held, strict=True)}  # fmt: skip
 
     async def _absent(self, workers: list[str], *, with_uptime: bool) -> list[str]:
         pipe = self.redis.pipeline(transaction=False)

@@ -349,7 +349,8 @@ class Reaper:
         """In a thread (rq's connection is synchronous): ``store.queue.give_back``."""
         snapshot = self.leases.keys.snapshot(state.rollout_id)
         jobs = self._writer(state.queue)
-        return give_back(jobs, self.leases.key, snapshot, state.rollout_id, expiry, at_front=True)
+        index = self.leases.index_of(state.rollout_id)
+        return give_back(jobs, index, snapshot, state.rollout_id, expiry, at_front=True)
 
     async def _give_back_apart(self, state: RolloutState, expiry: int) -> bool:
         """``give_back`` with the queue on a Redis of its own: the lease released if unchanged

@@ -64,8 +64,7 @@ async def test_a_lease_step_redis_refuses_fails_its_chain_only(
 ) -> None:
     store = EventStore(redis_client)
     broken = Leases(redis_client, holder="w1")
-    broken.key = "not-a-sorted-set"
-    await redis_client.set(broken.key, "x")
+    await redis_client.set(broken.index_of("a"), "x")  # the lease index, not a sorted set
     a, b = await _pending(store, "a"), await _pending(store, "b")
     results = await store.append_many(
         [(a, [f.started(a)]), (b, [f.started(b)])], before=[broken.take_steps(["a"], TTL), []]
