@@ -39,7 +39,10 @@ async def _run_through(
     store = EventStore(connect_cluster(cluster.url))
     reqs = _requests(24, 128)
     ids = await _submit(store, cluster.url, queue_url, reqs, "f")
-    args = ("--lease-ttl", "4", "--heartbeat", "0.25", "--queue-redis", queue_url, *extra)
+    # Leases outlive a failover (docs/scale.md): one that lapses while its shard's master is
+    # down is taken over, safely (fenced, resumed from its last checkpoint), but its attempt
+    # restarts, which is what the test rules out.
+    args = ("--lease-ttl", "10", "--heartbeat", "0.25", "--queue-redis", queue_url, *extra)
     workers = [start_worker(cluster.url, SYNTHETIC, name, tmp_path / f"{name}.log", *args,
                             concurrency=4, synthetic={"token_delay_s": 0.02})
                for name in ("a", "b")]  # fmt: skip
@@ -60,8 +63,9 @@ async def _check_nothing_fenced(store: EventStore, ids: list[str]) -> None:
     the attempt ends aborted (taken over) and starts again."""
     for rid in ids:
         events = await store.events(rid)
+        aborts = [(e.reason, e.detail) for e in events if isinstance(e, Aborted)]
+        assert aborts == [], (rid, aborts)
         assert sum(isinstance(e, Started) for e in events) == 1, rid
-        assert not any(isinstance(e, Aborted) for e in events), rid
 
 
 @pytest.fixture
