@@ -19,7 +19,7 @@ show, measured side by side in one run on real loopback clusters (``store.redis_
 - The same for groups of 1 (every rollout its own group, so its own slot: a transaction and a
   script call each), after the main side on the same cluster: ``--n1-rollouts`` rollouts,
   ``--n1-rounds`` counted checkpoints after one uncounted (10,000 and 2, as the main side's:
-  ~15 s of the ~45 s a default run takes here), and the same on one plain redis-server
+  ~15 s of the 46-51 s a default run takes here), and the same on one plain redis-server
   (whose keys are never grouped): ``cpu_us_per_token_cluster_n1``,
   ``single_redis_cpu_us_per_token_n1``, ``cluster_over_single_cpu_ratio_n1``, and
   ``cluster_n1_over_grouped_cpu_ratio`` (n=1 over the main side on the cluster: what a

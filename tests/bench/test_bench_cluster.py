@@ -13,7 +13,7 @@ import pytest
 
 from tests.bench.smoke import assert_finite, figures
 
-# Four clusters and a redis-server started and stopped: ~20-30 s on this 2-core machine.
+# Four clusters and three redis-servers started and stopped: ~15-30 s on this 2-core machine.
 # In tests/store/test_bulk.py's group: its nodes must not share the machine with that test.
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow, pytest.mark.xdist_group("redis-heavy")]
 
