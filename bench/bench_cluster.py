@@ -2,10 +2,11 @@
 show, measured side by side in one run on real loopback clusters (``store.redis_cluster``).
 
 - Spread: ``--rollouts`` rollouts of one batch (ids ``<batch>.<g>.<s>`` as the trainer makes
-  them, groups of 8) submitted and started on 3 masters with ``--replicas`` each, through
-  ``append_many`` 256 at a time; then ``--rounds`` checkpoints of every rollout: a chunk of 16
-  tokens with 48x8 routed experts each, ``--commit`` rollouts per ``append_many`` (a worker's
-  in-flight count), no replica acks, after one round uncounted. Per master: its keys (DBSIZE)
+  them, in groups of ``--group-size``, 8: a group shares a slot) submitted and started on 3
+  masters with ``--replicas`` each, through ``append_many`` 256 at a time; then ``--rounds``
+  checkpoints of every rollout: a chunk of 16 tokens with 48x8 routed experts each,
+  ``--commit`` rollouts per ``append_many`` (a worker's in-flight count), no replica acks,
+  after one round uncounted (the workload: ``cluster_workload.py``). Per master: its keys (DBSIZE)
   and, over the checkpoints, the commands it processed and the CPU it used (INFO deltas):
   ``load_max_over_mean`` (keys), ``commands_max_over_mean``, ``cpu_max_over_mean``.
 - Cost per stored token: each master's CPU (``used_cpu_user + used_cpu_sys``, all its threads:
@@ -15,6 +16,15 @@ show, measured side by side in one run on real loopback clusters (``store.redis_
   client, so throughput here says nothing of a real fleet, but a token's cost holds (somewhat
   inflated by the contention). Beside it, the same on one plain redis-server (no replica):
   ``cluster_over_single_cpu_ratio``, what spreading a group commit over slots costs a token.
+- The same for groups of 1 (every rollout its own group, so its own slot: a transaction and a
+  script call each), after the main side on the same cluster: ``--n1-rollouts`` rollouts,
+  ``--n1-rounds`` counted checkpoints after one uncounted (10,000 and 2, as the main side's:
+  ~15 s of the 46-51 s a default run takes here), and the same on one plain redis-server
+  (whose keys are never grouped): ``cpu_us_per_token_cluster_n1``,
+  ``single_redis_cpu_us_per_token_n1``, ``cluster_over_single_cpu_ratio_n1``, and
+  ``cluster_n1_over_grouped_cpu_ratio`` (n=1 over the main side on the cluster: what a
+  group's shared slot saves). Skipped with
+  ``--group-size 1`` (the main side is that) or ``--n1-rollouts 0``.
 - Round trips: clusters of ``--sizes`` masters (no replicas), ``--commits`` checkpoints of
   ``--commit`` rollouts each, the packed writes every node received counted (as
   tests/cluster/test_cluster_store.py does): ``round_trips_per_commit`` and, per master the
@@ -28,6 +38,11 @@ show, measured side by side in one run on real loopback clusters (``store.redis_
   token of the busiest master / usable), where the busiest master's CPU per token is the mean
   times ``cpu_max_over_mean``; and each master's memory per minute of retention (rate x 60 x
   bytes per token / masters; each replica holds as much again) and ingress.
+- The lease index at 1,000 workers (``lease_shards.py``, its docstring says how): Redis CPU per
+  heartbeat renewal of 128 leases and per reaper pass on one index of ``--lease-workers`` x
+  128 leases against 16 shards of it, on one plain redis-server, and the share of a core the
+  one index, and one shard, takes at 1,000 workers: ``lease_index_core_share_at_1000_workers``,
+  ``lease_shard_core_share_at_1000_workers``. ``--lease-workers 0``: skipped.
 
 ``--json`` prints one object (``load_max_over_mean``, ``round_trips_per_commit_per_master`` at
 3 masters, ``table``, beside the rest); without it, the figures and the table, readable.
@@ -48,119 +63,36 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import redis.asyncio as aredis
 
+# Its modules (run as a script, bench/ is on the path already), then the project ahead of an
+# installed copy.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from statemachine import (
-    Membership,
-    RolloutRequest,
-    RolloutState,
-    SamplingParams,
-    Started,
-    Submitted,
-    TokensAppended,
+from cluster_workload import (
+    CHUNK,
+    LAYERS,
+    TOP_K,
+    ack_retries,
+    checkpoint,
+    checkpoints,
+    chunk_arrays,
+    start_all,
 )
+from lease_shards import FLEET, lease_index
+
+from statemachine import RolloutState
 from store import EventStore
 from store.cancel_safe import _CancelSafe
 from store.connection import connect_cluster
-from store.errors import ReplicasNotAcked
 from store.redis_cluster import RedisCluster
 from store.redis_server import RedisServer
 from store.slots import key_slot
 
-LAYERS, TOP_K, EXPERTS = 48, 8, 128
-CHUNK = 16  # tokens per checkpoint of a rollout (docs/cluster-plan.md's fleet)
-GROUP = 8  # samples per prompt: ids <batch>.<g>.<s>
-START_CHUNK = 256  # rollouts per append_many while submitting and starting
 RATES = (100_000, 1_000_000, 10_000_000)
-MAX_TOKENS = 1 << 16  # room for every round's chunks
 SINGLE_ROLLOUTS = 2048  # the one-Redis baseline's: its cost per token does not grow with more
-
-
-def rollout_ids(batch: str, n: int) -> list[str]:
-    return [f"{batch}.{i // GROUP}.{i % GROUP}" for i in range(n)]
-
-
-def opening(rid: str, batch: str) -> list[Submitted | Started]:
-    """A rollout's Submitted and Started, as a chain of one ``append_many`` call."""
-    _, g, s = rid.rsplit(".", 2)
-    member = Membership(batch_id=batch, group_index=int(g), sample_index=int(s), group_size=GROUP)
-    request = RolloutRequest(prompt_token_ids=tuple(range(1, 65)),
-                             sampling=SamplingParams(max_tokens=MAX_TOKENS))  # fmt: skip
-    return [
-        Submitted(rollout_id=rid, seq=1, request=request, membership=member),
-        Started(rollout_id=rid, seq=2, attempt=1, worker_id="bench", weight_version=1),
-    ]
-
-
-async def start_all(store: EventStore, batch: str, n: int) -> list[RolloutState]:
-    out: list[RolloutState] = []
-    ids = rollout_ids(batch, n)
-    for i in range(0, n, START_CHUNK):
-        results = await store.append_many(
-            [(None, opening(r, batch)) for r in ids[i : i + START_CHUNK]]
-        )
-        out += checked(results)
-    return out
-
-
-def checked(results: Sequence[RolloutState | Exception]) -> list[RolloutState]:
-    bad = [r for r in results if not isinstance(r, RolloutState)]
-    if bad:
-        raise SystemExit(f"{len(bad)} appends refused, the first: {bad[0]!r}")
-    return list(results)  # type: ignore[arg-type]
-
-
-def chunk_arrays(seed: int) -> dict[str, Any]:
-    """One chunk's arrays, shared by every rollout of a round: building them is the engine's
-    work, not the store's, and Redis stores the bytes whatever they are."""
-    rng = np.random.default_rng(seed)
-    return {
-        "token_ids": rng.integers(0, 150_000, CHUNK, dtype=np.int32),
-        "logprobs": rng.uniform(-10, 0, CHUNK).astype(np.float32),
-        "weight_versions": np.ones(CHUNK, dtype=np.int64),
-        "routed_experts": rng.integers(0, EXPERTS, (CHUNK, LAYERS, TOP_K), dtype=np.uint8),
-    }
-
-
-ACK_RETRIES = 5
-ack_retries = [0]  # appends sent again after ReplicasNotAcked, over the whole run
-
-
-async def checkpoint(
-    store: EventStore, states: list[RolloutState], arrays: dict[str, Any]
-) -> list[RolloutState]:
-    """One chunk on every rollout of ``states`` in one ``append_many`` (one group commit)."""
-    chains = [
-        (s, [TokensAppended(rollout_id=s.rollout_id, seq=s.seq + 1, attempt=s.attempt,
-                            offset=s.num_tokens, **arrays)])
-        for s in states
-    ]  # fmt: skip
-    results = await store.append_many(chains)
-    for _ in range(ACK_RETRIES):
-        # A replica that fell behind past WAIT's second (a loaded machine): sent again as a
-        # worker does (a repeat is recognised), and counted, not fatal.
-        short = [i for i, r in enumerate(results) if isinstance(r, ReplicasNotAcked)]
-        if not short:
-            break
-        ack_retries[0] += len(short)
-        again = await store.append_many([chains[i] for i in short])
-        for i, r in zip(short, again, strict=True):
-            results[i] = r
-    return checked(results)
-
-
-async def checkpoints(
-    store: EventStore, states: list[RolloutState], commit: int, seed: int
-) -> list[RolloutState]:
-    """A round: every rollout's chunk, ``commit`` rollouts per group commit."""
-    arrays = chunk_arrays(seed)
-    out: list[RolloutState] = []
-    for i in range(0, len(states), commit):
-        out += await checkpoint(store, states[i : i + commit], arrays)
-    return out
+N1_ROLLOUTS = 10_000
 
 
 @contextlib.contextmanager
@@ -208,22 +140,22 @@ def max_over_mean(values: Sequence[float]) -> float:
     return round(max(values) / statistics.mean(values), 4)
 
 
-async def single_redis(args: argparse.Namespace) -> float:
+async def single_redis(args: argparse.Namespace, n: int, group: int, rounds: int) -> float:
     """Redis CPU per token of the same checkpoints on one plain redis-server (no cluster, no
     replica), where a group commit is one MULTI/EXEC with one script call for all its
     rollouts: the baseline the cluster's per-slot blocks are compared with."""
-    n = min(args.rollouts, SINGLE_ROLLOUTS)
+    n = min(n, SINGLE_ROLLOUTS)
     with RedisServer(config={"appendfsync": args.fsync}) as server:
         client = aredis.Redis.from_url(server.url)
         store = EventStore(client)
-        states = await start_all(store, "one", n)
-        states = await checkpoints(store, states, args.commit, seed=args.rounds)  # as the cluster's
+        states = await start_all(store, "one", n, group)
+        states = await checkpoints(store, states, args.commit, seed=rounds)  # as the cluster's
         cpu = -await server_cpu(client)
-        for r in range(args.rounds):
+        for r in range(rounds):
             states = await checkpoints(store, states, args.commit, seed=r)
         cpu += await server_cpu(client)
         await client.aclose()
-    return cpu / (n * CHUNK * args.rounds)
+    return cpu / (n * CHUNK * rounds)
 
 
 async def server_cpu(client: aredis.Redis) -> float:
@@ -239,7 +171,7 @@ async def round_trips(masters: int, args: argparse.Namespace) -> dict[str, Any]:
     with RedisCluster(masters=masters, replicas=0, config=config) as cluster:
         client = connect_cluster(cluster.url)
         store = EventStore(client)
-        states = await start_all(store, f"rt{masters}", args.commit)  # connections opened here
+        states = await start_all(store, f"rt{masters}", args.commit, args.group_size)  # connects
         times = []
         with writes_counted() as sent:
             for k in range(args.commits):
@@ -262,7 +194,7 @@ async def spread_and_cost(cluster: RedisCluster, args: argparse.Namespace) -> di
     client = connect_cluster(cluster.url)
     store = EventStore(client)
     t0 = time.perf_counter()
-    states = await start_all(store, "step-1", args.rollouts)
+    states = await start_all(store, "step-1", args.rollouts, args.group_size)
     started_s = time.perf_counter() - t0
     ports = cluster.master_ports()
     replica_ports = [n.port for n in cluster.nodes if n.port not in ports]
@@ -319,6 +251,23 @@ async def spread_and_cost(cluster: RedisCluster, args: argparse.Namespace) -> di
     return out
 
 
+async def cluster_n1(cluster: RedisCluster, args: argparse.Namespace) -> float:
+    """Master CPU per token of the same checkpoints on the same cluster, after the main side,
+    on ``--n1-rollouts`` rollouts each of its own group (``n`` = 1), so each its own slot: a
+    transaction and a script call per rollout where a group shares one."""
+    client = connect_cluster(cluster.url)
+    store = EventStore(client)
+    states = await start_all(store, "step-n1", args.n1_rollouts, 1)
+    states = await checkpoints(store, states, args.commit, seed=args.n1_rounds)  # uncounted
+    ports = cluster.master_ports()
+    cpu = -sum(reading(cluster, p)["cpu"] for p in ports)
+    for r in range(args.n1_rounds):
+        states = await checkpoints(store, states, args.commit, seed=r)
+    cpu += sum(reading(cluster, p)["cpu"] for p in ports)
+    await client.aclose()
+    return float(cpu / (args.n1_rollouts * CHUNK * args.n1_rounds))
+
+
 async def replica_acks(
     client: Any, states: list[RolloutState], args: argparse.Namespace
 ) -> dict[str, float]:
@@ -368,12 +317,25 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [await round_trips(m, args) for m in args.sizes]
     with RedisCluster(masters=3, replicas=args.replicas, config={"appendfsync": args.fsync}) as c:
         figures = await spread_and_cost(c, args)
-    single = await single_redis(args)
+        n1 = await cluster_n1(c, args) if args.n1_rollouts and args.group_size > 1 else None
+    single = await single_redis(args, args.rollouts, args.group_size, args.rounds)
     figures["single_redis_cpu_us_per_token"] = round(single * 1e6, 3)
     figures["cluster_over_single_cpu_ratio"] = round(figures["cpu_us_per_token"] / single / 1e6, 3)
+    if n1 is not None:
+        single_n1 = await single_redis(args, args.n1_rollouts, 1, args.n1_rounds)
+        figures |= {
+            "cpu_us_per_token_cluster_n1": round(n1 * 1e6, 3),
+            "single_redis_cpu_us_per_token_n1": round(single_n1 * 1e6, 3),
+            "cluster_over_single_cpu_ratio_n1": round(n1 / single_n1, 3),
+            # What sharing a group's slot saves a token on the cluster.
+            "cluster_n1_over_grouped_cpu_ratio": round(n1 * 1e6 / figures["cpu_us_per_token"], 3),
+        }
+    if args.lease_workers:
+        figures |= await lease_index(args.fsync, args.lease_workers, args.lease_rounds)
     at3 = next((s for s in sizes if s["masters"] == 3), None)
-    workload = ("rollouts", "rounds", "commit", "commits", "ack_rounds", "replicas", "fsync",
-                "usable")  # fmt: skip
+    workload = ("rollouts", "group_size", "rounds", "commit", "commits", "ack_rounds",
+                "replicas", "fsync", "usable", "n1_rollouts", "n1_rounds", "lease_workers",
+                "lease_rounds")  # fmt: skip
     return {
         "workload": {
             **{k: getattr(args, k) for k in workload},
@@ -394,7 +356,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 def show(result: dict[str, Any]) -> None:
     for key, value in result.items():
         if key not in ("table", "round_trips_by_masters"):
-            print(f"{key:34s} {value}")
+            print(f"{key:44s} {value}")
     print("\nround trips per group commit as masters grow")
     print(f"{'masters':>8} {'touched':>8} {'per commit':>11} {'per master':>11} {'ms':>8}")
     for s in result["round_trips_by_masters"]:
@@ -414,7 +376,14 @@ def show(result: dict[str, Any]) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=10_000, help="rollouts spread over 3 masters")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (a slot)")
     ap.add_argument("--rounds", type=int, default=2, help="checkpoints of every rollout")
+    ap.add_argument("--n1-rollouts", type=int, default=N1_ROLLOUTS,
+                    help="rollouts of the groups-of-1 side (0: none)")  # fmt: skip
+    ap.add_argument("--n1-rounds", type=int, default=2, help="its checkpoints of every rollout")
+    ap.add_argument("--lease-workers", type=int, default=FLEET,
+                    help="workers x 128 leases of the lease-index side (0: none)")  # fmt: skip
+    ap.add_argument("--lease-rounds", type=int, default=2, help="its heartbeats per worker")
     ap.add_argument("--commit", type=int, default=256, help="rollouts per group commit")
     ap.add_argument("--commits", type=int, default=5, help="commits counted per cluster size")
     ap.add_argument("--ack-rounds", type=int, default=20, help="commits per replica-ack side")

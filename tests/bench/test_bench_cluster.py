@@ -1,7 +1,9 @@
 """``bench/bench_cluster.py --json`` runs end to end at a small size on real loopback clusters
 (1, 3 and 6 masters, and 3 masters with a replica each) and one plain redis-server, and reports
 every figure: a group commit costs one round trip per master it touches (a count, so exact),
-500 rollouts spread over 3 masters within 1.5x, and the capacity table for every rate."""
+500 rollouts spread over 3 masters within 1.5x, the capacity table for every rate, the cost per
+token of groups of 1 beside groups of 8, and the lease index's cost on one index and over 16
+shards (50 workers' leases: a fraction of a second)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 
 from tests.bench.smoke import assert_finite, figures
 
-# Four clusters and a redis-server started and stopped: ~20-30 s on this 2-core machine.
+# Four clusters and three redis-servers started and stopped: ~15-30 s on this 2-core machine.
 # In tests/store/test_bulk.py's group: its nodes must not share the machine with that test.
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow, pytest.mark.xdist_group("redis-heavy")]
 
@@ -38,16 +40,35 @@ FIGURES = (
     "cluster_over_single_cpu_ratio",
     "round_trips_per_commit",
     "round_trips_per_commit_per_master",
+    "cpu_us_per_token_cluster_n1",
+    "single_redis_cpu_us_per_token_n1",
+    "cluster_over_single_cpu_ratio_n1",
+    "cluster_n1_over_grouped_cpu_ratio",
+    "lease_renew_us_per_worker_one_index",
+    "lease_renew_us_per_worker_16_shards",
+    "lease_renew_script_us_per_worker_one_index",
+    "lease_renew_script_us_per_worker_16_shards",
+    "lease_reap_us_per_pass_one_index",
+    "lease_reap_us_per_pass_16_shards",
+    "lease_16_shards_over_one_index_cpu_ratio",
+    "lease_index_core_share_at_1000_workers",
+    "lease_shard_core_share_at_1000_workers",
 )
 
 
 def test_a_small_run_reports_every_figure() -> None:
     result = figures(
         "bench_cluster.py", "--rollouts", "500", "--rounds", "1", "--commit", "128",
-        "--commits", "2", "--ack-rounds", "2", "--fsync", "everysec", timeout=120,
+        "--commits", "2", "--ack-rounds", "2", "--fsync", "everysec", "--n1-rollouts", "500",
+        "--n1-rounds", "1", "--lease-workers", "50", "--lease-rounds", "1", timeout=120,
     )  # fmt: skip
     assert_finite(result, FIGURES)
     assert all(result[name] > 0 for name in FIGURES)
+    assert result["workload"]["group_size"] == 8 and result["lease_workers_measured"] == 50
+    # A shard carries a sixteenth of the renewals and reaper reads, which together cost less
+    # than 16 times the one index's (~2x measured).
+    share = result["lease_shard_core_share_at_1000_workers"]
+    assert share < result["lease_index_core_share_at_1000_workers"]
     # 128 rollouts (16 groups) of a checkpoint land on every master of 1, 3 and 6: one write
     # to each.
     sizes = result["round_trips_by_masters"]
