@@ -30,7 +30,6 @@ skiplist update is O(log n)): a run with fewer workers understates it a little.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import redis.asyncio as aredis
@@ -41,15 +40,10 @@ from store.redis_server import RedisServer
 
 FLEET = 1_000  # the workers the core shares are computed for
 PER_WORKER = 128  # leases a worker holds: rollouts in flight
-SHARDS = 16
+SHARDS = defaults.CLUSTER_LEASE_SHARDS  # the store's own split on a cluster
 REAP_LIMIT = 100  # Leases.expired's default
 TTL_MS = int(defaults.LEASE_TTL_S * 1000)
 Calls = tuple[list[str], list[scripts.Arg]]  # one script call: its keys, its arguments
-
-
-def shard_of(rollout_id: str) -> int:
-    """A stable hash (not Python's, salted per process): a lease keeps its shard."""
-    return zlib.crc32(rollout_id.encode()) % SHARDS
 
 
 def worker_ids(worker: int) -> list[str]:
@@ -58,21 +52,20 @@ def worker_ids(worker: int) -> list[str]:
 
 
 class Side:
-    """One layout of the same leases: ``Keys`` builds every key (the shards' by namespace)."""
+    """One layout of the same leases, the store's own (``Keys.lease_shards``: 1 on one Redis,
+    ``CLUSTER_LEASE_SHARDS`` on a cluster, a rollout's shard the CRC32 of its id)."""
 
     def __init__(self, shards: int) -> None:
-        self.keys = [Keys() if shards == 1 else Keys(namespace=f"dr-s{k}") for k in range(shards)]
+        self.layout = Keys(lease_shards=shards)
 
-    def split(self, ids: list[str]) -> list[tuple[Keys, list[str]]]:
-        if len(self.keys) == 1:
-            return [(self.keys[0], ids)]
-        parts: list[list[str]] = [[] for _ in self.keys]
+    def split(self, ids: list[str]) -> list[tuple[int, list[str]]]:
+        parts: dict[int, list[str]] = {}
         for rid in ids:
-            parts[shard_of(rid)].append(rid)
-        return [(k, p) for k, p in zip(self.keys, parts, strict=True) if p]
+            parts.setdefault(self.layout.lease_shard(rid), []).append(rid)
+        return sorted(parts.items())
 
     def set_leases(self, mode: str, ids: list[str]) -> list[Calls]:
-        return [([k.leases()], [mode, TTL_MS, *p]) for k, p in self.split(ids)]
+        return [([self.layout.leases(k)], [mode, TTL_MS, *p]) for k, p in self.split(ids)]
 
     async def take(self, client: aredis.Redis, ids: list[str]) -> None:
         await scripts.SET_LEASES.many(client, self.set_leases("take", ids))
@@ -87,8 +80,10 @@ class Side:
 
     async def reap(self, client: aredis.Redis) -> None:
         """A reaper pass: what has expired, on the index or on every shard, one round trip."""
+        layout = self.layout
         calls: list[Calls] = [
-            ([k.leases(), k.lease_refusals()], [REAP_LIMIT, 0]) for k in self.keys
+            ([layout.leases(k), layout.lease_refusals(k)], [REAP_LIMIT, 0])
+            for k in range(layout.lease_shards)
         ]
         if len(calls) == 1:
             await scripts.EXPIRED_LEASES(client, *calls[0])
