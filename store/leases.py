@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -160,23 +161,37 @@ class Leases:
         ``(rollout id, expiry ms)``; none within the grace after Redis last refused a write
         (``lua/lease_grace.lua``: nobody could renew a lease then, so its lapse says nothing
         of its worker)."""
-        found: list[tuple[str, int]] = []
-        for shard in range(self.shards):  # each shard judged on its own master, with its grace
-            keys = [self.keys.leases(shard), self.keys.lease_refusals(shard)]
-            _, rows, _ = await scripts.EXPIRED_LEASES(self.redis, keys, [limit, self.grace_ms])
-            found += [(rows[i].decode(), int(rows[i + 1])) for i in range(0, len(rows), 2)]
+        replies = await self._each_shard(scripts.EXPIRED_LEASES, [limit, self.grace_ms])
+        found = [(rows[i].decode(), int(rows[i + 1]))
+                 for _, rows, _ in replies for i in range(0, len(rows), 2)]  # fmt: skip
         return sorted(found, key=lambda row: row[1])[:limit]
+
+    async def _each_shard(
+        self, script: scripts.Script, args: list[scripts.Arg], ids: list[list[str]] | None = None
+    ) -> list[Any]:
+        """``script`` on every shard of the index with its refusals hash (each judged on its
+        own master, with its own grace), ``ids[k]`` after ``args`` for shard k: one call on
+        one Redis; on a cluster one pipeline (a batch per master), the scripts by their text
+        (a cluster's pipelines refuse EVALSHA)."""
+        if self.shards == 1:
+            return [await script(self.redis, [self.key, self.refusals_key],
+                                 [*args, *(ids[0] if ids else [])])]  # fmt: skip
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.shards):
+            keys = [self.keys.leases(shard), self.keys.lease_refusals(shard)]
+            extra = ids[shard] if ids else []
+            pipe.execute_command("EVAL", script.text, 2, *keys, *args, *extra)
+        return list(await pipe.execute())
 
     async def read(self, rollout_ids: Sequence[str] = ()) -> LeaseView:
         """Redis's clock, the index's counts and the expiry of each of ``rollout_ids``, read
         at one instant."""
+        asked: list[list[str]] = [[] for _ in range(self.shards)]
+        for rid in rollout_ids:
+            asked[self.keys.lease_shard(rid)].append(rid)
         views = []
-        for shard in range(self.shards):
-            ids = [rid for rid in rollout_ids if self.keys.lease_shard(rid) == shard]
-            keys = [self.keys.leases(shard), self.keys.lease_refusals(shard)]
-            now, held, expired, expiries, grace = await scripts.READ_LEASES(
-                self.redis, keys, [self.grace_ms, *ids]
-            )
+        replies = await self._each_shard(scripts.READ_LEASES, [self.grace_ms], asked)
+        for ids, (now, held, expired, expiries, grace) in zip(asked, replies, strict=True):
             views.append(LeaseView(
                 now_ms=int(now), held=int(held), expired=int(expired),
                 expiries={rid: None if e is None else int(e)
@@ -188,7 +203,14 @@ class Leases:
     async def left_ms(self, rollout_id: str) -> int | None:
         """How long the rollout's lease has left by Redis's clock (<= 0: expired, and a reaper
         will take it back), or None: nobody holds one."""
-        return (await self.read([rollout_id])).left_ms(rollout_id)
+        shard = self.keys.lease_shard(rollout_id)  # its shard alone, not the whole index
+        keys = [self.keys.leases(shard), self.keys.lease_refusals(shard)]
+        now, _, _, (expiry,), grace = await scripts.READ_LEASES(
+            self.redis, keys, [self.grace_ms, rollout_id]
+        )
+        expiries = {rollout_id: None if expiry is None else int(expiry)}
+        view = LeaseView(int(now), 0, 0, expiries, grace_until_ms=int(grace))
+        return view.left_ms(rollout_id)
 
     async def expiry(self, rollout_id: str) -> int | None:
         """The lease's expiry as stored (unix ms by Redis's clock): what ``release_if_unchanged``
