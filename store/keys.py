@@ -159,7 +159,8 @@ class Keys:
 
     def presence(self) -> str:
         """Workers whose process presence is watched (worker id -> when it registered: unix ms
-        by Redis's clock)."""
+        by Redis's clock). With rq's queue apart, on the queue's Redis (with the presence
+        channels and ``presence_check``): one node, where ``PUBSUB NUMSUB`` sees every one."""
         return f"{self.namespace}:presence"
 
     def presence_channel(self, worker_id: str) -> str:
@@ -216,7 +217,7 @@ class Keys:
 
     def worker_hints(self, worker_id: str) -> str:
         """Job ids hinted to a worker: calls of sessions it served before (a list, trimmed;
-        ``store.affinity``)."""
+        ``store.affinity``). With rq's queue apart, on the queue's Redis, with the jobs."""
         return f"{self.namespace}:worker:{worker_id}:hints"
 
     def worker_waiting(self, worker_id: str) -> str:
