@@ -143,21 +143,12 @@ def connect_cluster(url: str, *, client_name: str | None = None) -> RedisCluster
     URL (``store.slots.cluster_nodes``), retrying as ``connect`` does. Partial slot coverage
     is accepted at start: during a failover some slots have no master for seconds, and the
     store's own writes wait those out (``store.cluster_commit``)."""
-    parts = urlsplit(url)
-    try:
-        nodes = [ClusterNode(host, port) for host, port in cluster_nodes(url)]
-    except ValueError as exc:
-        raise InvalidRedisUrl(f"not a Redis Cluster URL: {exc}".replace(url, redact(url))) from None
+    nodes, settings = _cluster_settings(url, ClusterNode)
     client = RedisCluster(
         startup_nodes=nodes,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
         client_name=client_name,
-        require_full_coverage=False,
         retry=_AsyncRetry(EqualJitterBackoff(*BACKOFF), RETRIES),
-        retry_on_error=list(_ERRORS),
-        socket_timeout=SOCKET_TIMEOUT_S,
-        socket_connect_timeout=2.0,
+        **settings,
         **_DRIVER,
     )
     # As ``connect``'s connections: cancel-safe, and alive while Redis answers MISCONF. redis-py
@@ -184,22 +175,32 @@ def connect_sync_store(url: str) -> redis.Redis:
     """``connect_store`` for synchronous code (a submit's records, from a thread)."""
     if not is_cluster_url(url):
         return connect_sync(url)
-    parts = urlsplit(url)
-    try:
-        nodes = [SyncClusterNode(host, port) for host, port in cluster_nodes(url)]  # type: ignore[no-untyped-call]
-    except ValueError as exc:
-        raise InvalidRedisUrl(f"not a Redis Cluster URL: {exc}".replace(url, redact(url))) from None
+    nodes, settings = _cluster_settings(url, SyncClusterNode)
     client = SyncRedisCluster(
-        startup_nodes=nodes,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
-        require_full_coverage=False,
-        retry=_Retry(EqualJitterBackoff(*BACKOFF), RETRIES),
-        retry_on_error=list(_ERRORS),
-        socket_timeout=SOCKET_TIMEOUT_S,
-        socket_connect_timeout=2.0,
+        startup_nodes=nodes, retry=_Retry(EqualJitterBackoff(*BACKOFF), RETRIES), **settings
     )
     return cast(redis.Redis, client)
+
+
+def _cluster_settings(
+    url: str, node: Callable[[str, int], Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """A cluster URL's seed nodes (made by ``node``) and the settings both of redis-py's
+    cluster clients take alike: the credentials, partial coverage accepted, our timeouts and
+    the errors retried."""
+    parts = urlsplit(url)
+    try:
+        nodes = [node(host, port) for host, port in cluster_nodes(url)]
+    except ValueError as exc:
+        raise InvalidRedisUrl(f"not a Redis Cluster URL: {exc}".replace(url, redact(url))) from None
+    return nodes, {
+        "username": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else None,
+        "require_full_coverage": False,
+        "retry_on_error": list(_ERRORS),
+        "socket_timeout": SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": 2.0,
+    }
 
 
 def connect_sync(url: str) -> redis.Redis:
