@@ -80,7 +80,7 @@ async def env_api(
         server = fakeredis.FakeServer()
         # RolloutClient connects by URL: here, to the fake server instead.
         fake, fake_sync = fakeredis.FakeAsyncRedis, fakeredis.FakeRedis
-        monkeypatch.setattr("store.client.connect", lambda url, **_: fake(server=server))
+        monkeypatch.setattr("store.client.connect_store", lambda url, **_: fake(server=server))
         monkeypatch.setattr("store.client.connect_sync", lambda url: fake_sync(server=server))
         raw: Any = fakeredis.FakeAsyncRedis(server=server)
         url = "redis://fake"
