@@ -40,6 +40,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from store.cancel_safe import keep_cancels, keeping
+from store.cluster_client import RidingCluster
 from store.errors import InvalidRedisUrl, unwritable
 from store.slots import cluster_nodes, is_cluster_url
 
@@ -144,10 +145,13 @@ def connect_cluster(url: str, *, client_name: str | None = None) -> RedisCluster
     is accepted at start: during a failover some slots have no master for seconds, and the
     store's own writes wait those out (``store.cluster_commit``)."""
     nodes, settings = _cluster_settings(url, ClusterNode)
-    client = RedisCluster(
+    client = RidingCluster(
         startup_nodes=nodes,
         client_name=client_name,
         retry=_AsyncRetry(EqualJitterBackoff(*BACKOFF), RETRIES),
+        window_s=RETRY_WINDOW_S,
+        backoff=BACKOFF,
+        retryable=retryable,
         **settings,
         **_DRIVER,
     )

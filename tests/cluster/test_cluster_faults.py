@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from redis.asyncio.cluster import RedisCluster as RedisClusterClient
 from redis.exceptions import RedisError
 
 from statemachine import Membership, RolloutState
@@ -170,4 +171,52 @@ async def test_a_master_down_for_good_fails_its_own_chains_alone(
                 assert await store.load(s.rollout_id) == r
         lost = sum(not isinstance(r, RolloutState) for r in results)
         assert 0 < lost < len(states)
+        await client.aclose()
+
+
+def _key_on(client: RedisClusterClient, port: int, avoid: set[str]) -> str:
+    """A key whose slot the master on ``port`` serves."""
+    for i in range(100_000):
+        key = f"k{i}"
+        node = client.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+        if node.port == port and key not in avoid:
+            return key
+    raise AssertionError(f"no key found on {port}")
+
+
+async def test_plain_commands_ride_out_a_failover(tmp_path: Path) -> None:
+    """Every command the workers send outside their checkpoints (a rollout's load, a lease
+    read, the fleet's beat) waits out a master's failover rather than failing at once: a run
+    that failed on one gave its job back with its attempt still open and its lease held, and
+    the job, met again, was dropped as a duplicate of that attempt, which the reaper took over
+    only when its lease lapsed (a worker_lost charged, the rollout stalled for the lease TTL;
+    seen in CI). redis-py's cluster client re-reads the slot map after a connection error, but
+    that re-read asks the first master it knows for its command table, the dead one, and
+    fails; it retries nothing then, and its own retries go without a pause."""
+    with RedisCluster(tmp_path, node_timeout_ms=1000, config=LIGHT) as cluster:
+        client = connect_cluster(cluster.url)
+        await client.ping()
+        ports = cluster.master_ports()
+        keys = {port: _key_on(client, port, set()) for port in ports}
+        for port, key in keys.items():
+            await client.set(key, port)
+        victim = ports[0]
+        await asyncio.to_thread(cluster.node(victim).stop, kill=True)
+        failed: list[BaseException] = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4.0:  # the failover takes ~2.5 s at 1000 ms
+            for port, key in keys.items():
+                try:
+                    assert int(await client.get(key)) == port
+                except (RedisError, OSError) as exc:
+                    failed.append(exc)
+            pipe = client.pipeline(transaction=False)  # a batch per master, as the leases go
+            for key in keys.values():
+                pipe.get(key)
+            try:
+                assert [int(v) for v in await pipe.execute()] == list(keys)
+            except (RedisError, OSError) as exc:
+                failed.append(exc)
+            await asyncio.sleep(0.05)
+        assert failed == [], [repr(exc) for exc in failed]
         await client.aclose()

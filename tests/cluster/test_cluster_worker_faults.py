@@ -39,10 +39,10 @@ async def _run_through(
     store = EventStore(connect_cluster(cluster.url))
     reqs = _requests(24, 128)
     ids = await _submit(store, cluster.url, queue_url, reqs, "f")
-    # Leases outlive a failover (docs/scale.md): one that lapses while its shard's master is
-    # down is taken over, safely (fenced, resumed from its last checkpoint), but its attempt
-    # restarts, which is what the test rules out.
-    args = ("--lease-ttl", "10", "--heartbeat", "0.25", "--queue-redis", queue_url, *extra)
+    # The default lease TTL (5 s): a lease that lapses while its shard's master is down is
+    # not taken over, the promoted replica's lease scripts granting a grace after the failover
+    # (lua/lease_grace.lua); a takeover would restart its attempt, which the test rules out.
+    args = ("--heartbeat", "0.25", "--queue-redis", queue_url, *extra)
     workers = [start_worker(cluster.url, SYNTHETIC, name, tmp_path / f"{name}.log", *args,
                             concurrency=4, synthetic={"token_delay_s": 0.02})
                for name in ("a", "b")]  # fmt: skip
