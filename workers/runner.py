@@ -34,7 +34,7 @@ from store.leases import Leases
 from store.logs import log_event
 from store.scripts import Step
 from store.since import Held, load_held
-from workers import turns
+from workers import own_attempt, turns
 from workers.checkpoint import Cadence, Checkpointer
 from workers.engines.base import Engine
 from workers.engines.inflight import context_full
@@ -105,7 +105,7 @@ class RolloutRunner:
             lambda held: load_held(store, held)
         )
         if leases is not None:
-            self._take: Coalescer[str, None] = Coalescer(
+            self.take_lease: Coalescer[str, None] = Coalescer(
                 lambda ids: leases.take_many(ids, self.lease_ttl_s)
             )
             self._drop = Coalescer(leases.drop_many)
@@ -271,26 +271,14 @@ class RolloutRunner:
             return refused
         if state.too_stale(self.engine.weight_version):
             return await self._cancel_stale(state)
-        lease: list[Step] = []  # the lease, when it goes with the attempt's opening
-        if self.leases is not None and state.status in LIVE:
-            # Judged by Redis's clock, as the reaper judges it: never this host's.
-            left = await self.leases.left_ms(rollout_id)
-            if left is not None and left > 0:
-                # A live worker is generating it (rq delivered the job twice): leave it be.
-                return RunResult(Outcome.DUPLICATE, state)
-            # A takeover: lease first, attempt second (its worker-lost budget may end the
-            # rollout instead). A crash in between leaves a lease the reaper turns into a
-            # re-enqueue, never a live attempt nobody watches.
-            await self.condition.until_written(lambda: self._take(rollout_id), "lease")
-        elif self.leases is not None and self.store.cluster:
-            # On Redis Cluster the lease index and the rollout are in different slots: the
-            # lease first, as a takeover takes it (a crash in between leaves a lease the
-            # reaper turns into a re-enqueue, never a live attempt nobody watches).
-            await self.condition.until_written(lambda: self._take(rollout_id), "lease")
-        elif self.leases is not None:
-            # Taken in the transaction that opens the attempt: never one without the other,
-            # and one round trip less per attempt (an episode's every turn: bench_episodes).
-            lease = self.leases.take_steps([rollout_id], self.lease_ttl_s)
+        if self.leases is not None and state.status in LIVE and state.worker_id == self.worker_id:
+            own = await own_attempt.take_back(self, state, attempt)  # a failed run left it
+            if isinstance(own, RunResult):
+                return own
+            state = own
+        lease = await self._lease(state)
+        if isinstance(lease, RunResult):
+            return lease
         try:
             if state.status in LIVE:
                 spent = await self._worker_lost_budget_spent(state)
@@ -313,12 +301,35 @@ class RolloutRunner:
                 return RunResult(
                     Outcome.WRONG_MODEL, state, _wrong_model(state.model, self.model_id)
                 )
-            return await self._generate_or_end(state, attempt)
+            return await self.generate_or_end(state, attempt)
         except AppendRefused:
             # Fenced out: our attempt is no longer the live one. Someone else owns it now.
             return RunResult(Outcome.LOST, await self.store.load(rollout_id))
 
-    async def _generate_or_end(self, state: RolloutState, attempt: Attempt) -> RunResult:
+    async def _lease(self, state: RolloutState) -> list[Step] | RunResult:
+        """The attempt's lease, taken now, or as steps of the transaction that opens the
+        attempt; or ``DUPLICATE`` when a live worker holds it."""
+        rid = state.rollout_id
+        if self.leases is None:
+            return []
+        if state.status in LIVE:
+            # Judged by Redis's clock, as the reaper judges it: never this host's.
+            left = await self.leases.left_ms(rid)
+            if left is not None and left > 0:
+                # A live worker is generating it (rq delivered the job twice): leave it be.
+                return RunResult(Outcome.DUPLICATE, state)
+        if state.status in LIVE or self.store.cluster:
+            # A takeover (whose worker-lost budget may end the rollout instead), or Redis
+            # Cluster (the lease index in another slot than the rollout): the lease first, the
+            # attempt second. A crash in between leaves a lease the reaper turns into a
+            # re-enqueue, never a live attempt nobody watches.
+            await self.condition.until_written(lambda: self.take_lease(rid), "lease")
+            return []
+        # Taken in the transaction that opens the attempt: never one without the other, and
+        # one round trip less per attempt (an episode's every turn: bench_episodes).
+        return self.leases.take_steps([rid], self.lease_ttl_s)
+
+    async def generate_or_end(self, state: RolloutState, attempt: Attempt) -> RunResult:
         """The begun attempt's generation, or its end at once when a budget leaves it none."""
         wall_left = turns.wall_time_left(state, time.time())
         if wall_left is not None and wall_left <= 0:
