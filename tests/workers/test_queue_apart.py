@@ -145,7 +145,8 @@ async def test_the_queues_redis_lost_is_rebuilt_from_the_store(
         waiting = sorted(set(ids) - set(live))
         assert sorted(line.split()[1] for line in lines) == waiting, done.stdout
         assert summary == "requeued 2 waiting rollouts"
-        assert queue.llen("rq:queue:rollouts") == 2
+        # Not the queue's length: on a loaded machine the live two may have ended already and
+        # the worker taken the new jobs at once. That the waiting two ran (below) shows them.
         store = Redis.from_url(url)
         for rid in waiting:
             listed = store.hget(client.keys.snapshot(rid), JOB)
