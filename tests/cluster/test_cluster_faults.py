@@ -6,6 +6,7 @@ starts a cluster of its own, since it harms it."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable
 from dataclasses import replace
@@ -184,6 +185,21 @@ def _key_on(client: RedisClusterClient, port: int, avoid: set[str]) -> str:
     raise AssertionError(f"no key found on {port}")
 
 
+def _until_replicated(cluster: RedisCluster, timeout: float = 30.0) -> None:
+    """Until every master's replicas have its whole replication stream."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        infos = [cluster.info(port, "replication") for port in cluster.master_ports()]
+        if all(
+            (links := [v for k, v in info.items() if re.fullmatch(r"slave\d+", k)])
+            and all(f"offset={info['master_repl_offset']}," in link for link in links)
+            for info in infos
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the replicas never caught up")
+
+
 async def test_plain_commands_ride_out_a_failover(tmp_path: Path) -> None:
     """Every command the workers send outside their checkpoints (a rollout's load, a lease
     read, the fleet's beat) waits out a master's failover rather than failing at once: a run
@@ -200,6 +216,9 @@ async def test_plain_commands_ride_out_a_failover(tmp_path: Path) -> None:
         keys = {port: _key_on(client, port, set()) for port in ports}
         for port, key in keys.items():
             await client.set(key, port)
+        # Replicated before the kill (replication is asynchronous: a key set just before could
+        # be missing from the promoted replica, which is not what this test is about).
+        await asyncio.to_thread(_until_replicated, cluster)
         victim = ports[0]
         await asyncio.to_thread(cluster.node(victim).stop, kill=True)
         failed: list[BaseException] = []
