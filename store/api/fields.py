@@ -66,6 +66,27 @@ def _integral_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 
 
 Integral = BeforeValidator(_integral)
+
+
+def _a_number(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"{str(value).lower()} is a boolean, not a number")
+    return value
+
+
+def _a_boolean(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a boolean")
+    return value
+
+
+# One value of a type: pydantic matches a Literal by equality, and in Python False == 0 and
+# True == 1, so a bare Literal[0] takes false and Literal[False] takes 0, where the document's
+# ``const`` (JSON Schema) refuses them (schemathesis found ``priority: false`` served).
+ConstZero = Annotated[Literal[0], BeforeValidator(_a_number)]
+ConstOne = Annotated[Literal[1], BeforeValidator(_a_number)]
+ConstFalse = Annotated[Literal[False], BeforeValidator(_a_boolean)]
+ConstTrue = Annotated[Literal[True], BeforeValidator(_a_boolean)]
 NonNegInt = Annotated[int, Field(ge=0, le=INT64_MAX), Integral]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # in lists: see TokenIds
 TokenIds = Annotated[list[TokenId], WrapValidator(_integral_items)]

@@ -18,7 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from statemachine import MAX_LOGPROBS as MAX_TOP_LOGPROBS
 from store import defaults
 
-from ..fields import INT64_MAX, Integral, NonNegInt, TokenIds
+from ..fields import (
+    INT64_MAX,
+    ConstFalse,
+    ConstOne,
+    ConstTrue,
+    ConstZero,
+    Integral,
+    NonNegInt,
+    TokenIds,
+)
 
 # Top-k alternatives are recorded per token up to 20 (statemachine.MAX_LOGPROBS), vLLM's
 # default --max-logprobs.
@@ -60,10 +69,10 @@ class _Sampling(_Strict):
         None, description="Groups a trajectory's calls (else the X-Session-ID header)"
     )
     user: str | None = Field(None, description="Accepted, without effect")
-    stream: Literal[False] | None = Field(None, description="Only false (no streaming)")
+    stream: ConstFalse | None = Field(None, description="Only false (no streaming)")
     # vLLM's fields the engines cannot serve: their neutral value only.
     stream_options: None = None
-    echo: Literal[False] | None = None
+    echo: ConstFalse | None = None
     presence_penalty: Zero | None = None
     frequency_penalty: Zero | None = None
     repetition_penalty: Annotated[float, Field(ge=1.0, le=1.0)] | None = None
@@ -71,15 +80,15 @@ class _Sampling(_Strict):
     prompt_logprobs: None = None
     response_format: None = None
     structured_outputs: None = None
-    use_beam_search: Literal[False] = False
-    include_stop_str_in_output: Literal[False] = False
-    skip_special_tokens: Literal[True] = True
-    spaces_between_special_tokens: Literal[True] = True
+    use_beam_search: ConstFalse = False
+    include_stop_str_in_output: ConstFalse = False
+    skip_special_tokens: ConstTrue = True
+    spaces_between_special_tokens: ConstTrue = True
     allowed_token_ids: None = None
     bad_words: Annotated[list[str], Field(max_length=0)] | None = None
     logprob_token_ids: None = None
     truncate_prompt_tokens: None = None
-    priority: Literal[0] = 0
+    priority: ConstZero = 0
     cache_salt: None = None
     kv_transfer_params: None = None
     vllm_xargs: None = None
@@ -100,7 +109,7 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral] | None = None
     add_special_tokens: bool = True
     suffix: None = None
-    best_of: Literal[1] | None = None
+    best_of: ConstOne | None = None
 
 
 class CompletionTokensRequest(CompletionRequest):
@@ -174,8 +183,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral] | None = None
     add_generation_prompt: bool = True
-    continue_final_message: Literal[False] = False
-    add_special_tokens: Literal[False] = False
+    continue_final_message: ConstFalse = False
+    add_special_tokens: ConstFalse = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[ChatTool], Field(min_length=1)] | None = Field(
         None,
@@ -187,7 +196,7 @@ class ChatCompletionRequest(_Sampling):
     )
     parallel_tool_calls: bool | None = Field(None, description="false: the first call only")
     reasoning_effort: None = None
-    echo: Literal[False] | None = None
+    echo: ConstFalse | None = None
     documents: None = None
     chat_template: None = None
 

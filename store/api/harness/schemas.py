@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from ..fields import Integral, SessionId, Strict
+from ..fields import ConstZero, Integral, SessionId, Strict
 from ..schemas import Timeout
 
 # Whole-number floats (1.0) are ids too, as JSON Schema's integer says (``fields.Integral``).
@@ -29,7 +29,7 @@ class GenerateRequest(Strict):
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     output_mode: Literal["tokens"] = "tokens"
-    priority: Literal[0] = 0
+    priority: ConstZero = 0
     # /render's metadata, which changes nothing when the prompt is token ids only.
     token_offsets: list[list[int]] | None = None
     reasoning_ended: bool | None = None
