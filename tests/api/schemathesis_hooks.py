@@ -17,6 +17,11 @@
   sent; values beyond them still are (a negative case is sent as generated).
 - token ids are kept within the worker's model's vocabulary (``VOCAB``), which the document
   cannot state (it is the worker's, not the API's): the worker refuses others (400).
+- a call's prompt is kept within the worker's context (``SCHEMATHESIS_CONTEXT``), which the
+  document cannot state either: the worker refuses a prompt that leaves no room (400). Token
+  ids are cut; text and chat are measured as the API measures them (its tokenizer,
+  ``SCHEMATHESIS_TOKENIZER``, and its chat rendering, ``chat_tools.prompt_ids``) and cut
+  (the last messages and tools dropped first) only when they do not fit.
 - the constraints JSON Schema cannot state (each said in the document's descriptions), met by
   the bodies generated as valid, and only those: ``sampling`` as a list has one entry per
   prompt; ``ids`` name prompts x n distinct rollouts; at most 100,000 rollouts;
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from typing import Any
 
 import jsonschema_rs
@@ -36,6 +42,9 @@ import schemathesis
 from schemathesis import GenerationMode
 
 from store import defaults
+from store.api.errors import ApiError
+from store.api.harness import chat_tools
+from store.api.harness.openai_schemas import ChatCompletionRequest
 
 STREAM_S = 0.3
 CAPS = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8}
@@ -43,6 +52,17 @@ VOCAB = 32_000  # the synthetic engine's (its default)
 TOKEN_ID_KEYS = frozenset(
     {"prompt_token_ids", "prompt", "token_ids", "stop_token_ids", "tool_call_stop_token_ids"}
 )
+# The worker's context, and the API's tokenizer (loaded here, before the run's clock starts).
+CONTEXT = int(os.environ.get("SCHEMATHESIS_CONTEXT", "0")) or None
+TOKENIZER: Any = None
+if os.environ.get("SCHEMATHESIS_TOKENIZER"):
+    from transformers import AutoTokenizer
+
+    TOKENIZER = AutoTokenizer.from_pretrained(
+        os.environ["SCHEMATHESIS_TOKENIZER"], local_files_only=True
+    )
+PLAIN_MESSAGES = [{"role": "user", "content": ""}]
+PLAIN_TOOLS = [{"type": "function", "function": {"name": "f"}}]
 NDJSON = "application/x-ndjson"
 MSGPACK = "application/msgpack"
 
@@ -114,6 +134,8 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         _small(case.body)
         if name == "submit":
             _within_what_the_document_cannot_say(case.body)
+        elif CONTEXT is not None:
+            _within_the_context(name, case.body, CONTEXT - CAPS["max_tokens"])
 
 
 def _short(timeout: Any, most: float = 86400) -> Any:
@@ -157,6 +179,62 @@ def _in_vocab(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():  # an integral float is an id too
         return float(int(value) % VOCAB)
     return value % VOCAB if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _within_the_context(name: str, body: dict[str, Any], room: int) -> None:
+    """Cuts, in place, a valid call's prompt to ``room`` tokens: with ``max_tokens`` capped
+    (``CAPS``), the prompt and the tokens asked then fit the worker's context (and with
+    ``max_tokens`` null, the context leaves room for one token at least)."""
+    if name in ("vllm_generate", "skyrl_generate") and isinstance(body.get("token_ids"), list):
+        del body["token_ids"][room:]
+    elif name == "completions" and "prompt" in body:
+        body["prompt"] = _cut_prompt(body["prompt"], room, body.get("add_special_tokens", True))
+    elif name == "chat_completions" and TOKENIZER is not None:
+        for shrink in (_drop_last_message, _drop_last_tool, _plain_messages, _plain_tools):
+            while (n := _chat_prompt_len(body)) is not None and n > room and shrink(body):
+                pass
+
+
+def _cut_prompt(prompt: Any, room: int, special: Any) -> Any:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        return [_cut_prompt(prompt[0], room, special), *prompt[1:]]  # [one prompt]
+    if isinstance(prompt, list):
+        return prompt[:room]
+    if isinstance(prompt, str) and TOKENIZER is not None and isinstance(special, bool):
+        while len(prompt) > 1 and len(TOKENIZER.encode(prompt, add_special_tokens=special)) > room:
+            prompt = prompt[: len(prompt) // 2]
+    return prompt
+
+
+def _chat_prompt_len(body: dict[str, Any]) -> int | None:
+    """The prompt's length in tokens as the API renders it; None if it would refuse it."""
+    try:
+        request = ChatCompletionRequest.model_validate_json(json.dumps(body))
+        return len(chat_tools.prompt_ids(TOKENIZER, request))
+    except (ValueError, ApiError):  # pydantic's ValidationError is a ValueError
+        return None
+
+
+def _drop_last_message(body: dict[str, Any]) -> bool:
+    return len(body["messages"]) > 1 and bool(body["messages"].pop())
+
+
+def _drop_last_tool(body: dict[str, Any]) -> bool:
+    tools = body.get("tools")
+    return isinstance(tools, list) and len(tools) > 1 and bool(tools.pop())
+
+
+def _plain_messages(body: dict[str, Any]) -> bool:
+    changed = body["messages"] != PLAIN_MESSAGES
+    body["messages"] = list(PLAIN_MESSAGES)
+    return changed
+
+
+def _plain_tools(body: dict[str, Any]) -> bool:
+    if not body.get("tools") or body["tools"] == PLAIN_TOOLS:
+        return False
+    body["tools"] = list(PLAIN_TOOLS)
+    return True
 
 
 def _within_what_the_document_cannot_say(body: dict[str, Any]) -> None:

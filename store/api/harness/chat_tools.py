@@ -85,6 +85,24 @@ def messages(body: s.ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def prompt_ids(tokenizer: Any, body: s.ChatCompletionRequest) -> list[int]:
+    """The call's prompt: its messages and tools through ``tokenizer``'s chat template; 422
+    when the template refuses them."""
+    tools = tool_dicts(body)
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages(body), add_generation_prompt=body.add_generation_prompt,
+            tokenize=True, **({"tools": tools} if tools else {}),
+            **(body.chat_template_kwargs or {}),
+        )  # fmt: skip
+    except Exception as exc:  # a template's refusal is the caller's
+        raise ApiError(422, "invalid_request", f"messages: the chat template refused "
+                       f"them: {exc}", "messages") from None  # fmt: skip
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
 def _called(call: s.ChatMessageToolCall) -> dict[str, Any]:
     arguments = call.function.arguments
     if isinstance(arguments, str):

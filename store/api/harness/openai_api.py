@@ -208,7 +208,7 @@ class Handlers:
             raise ApiError(422, "invalid_request", "top_logprobs: needs logprobs true",
                            "top_logprobs")  # fmt: skip
         tool_choice = chat_tools.choice(body, self.tools)
-        prompt = self._template(body)
+        prompt = chat_tools.prompt_ids(self.tokenizer, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         sampling = _sampling(body, max_tokens, top or 0)
@@ -231,21 +231,6 @@ class Handlers:
             message=message,
         )
         return _reply(out)
-
-    def _template(self, body: s.ChatCompletionRequest) -> list[int]:
-        tools = chat_tools.tool_dicts(body)
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                chat_tools.messages(body), add_generation_prompt=body.add_generation_prompt,
-                tokenize=True, **({"tools": tools} if tools else {}),
-                **(body.chat_template_kwargs or {}),
-            )  # fmt: skip
-        except Exception as exc:  # a template's refusal is the caller's
-            raise ApiError(422, "invalid_request", f"messages: the chat template refused "
-                           f"them: {exc}", "messages") from None  # fmt: skip
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
 
 
 def _reply(body: dict[str, Any]) -> web.Response:
