@@ -15,7 +15,8 @@ real worker process (the synthetic engine: no model, no cost) answers the harnes
 within the run's request timeout, and one that is not is answered 504 by the API's
 ``--call-timeout`` (a 5xx: a finding) before the client gives up.
 
-Bounded by ``--max-time`` per run (the phases share it); a fixed seed, so a finding reproduces.
+Coverage is whole but for the submit's; the rest is bounded by ``--max-time`` (``RUNS``); a fixed
+seed, so that a finding reproduces.
 """
 
 from __future__ import annotations
@@ -38,11 +39,20 @@ from workers.demo.tiny_tokenizer import TOOL_CHAT_TEMPLATE, make_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 28
-# The first run (the API without a tokenizer) tests every operation; the second (with one) the
-# operations whose document the tokenizer changes, and those their links lead to.
-# The phases share it: on a loaded CI run the tokenizer run's Coverage phase took 26 of its
-# 30 s and left Stateful none (a failed run, no finding); 45 s leave it room.
-MAX_TIME_S = {"bare": 25, "tokenizer": 45}
+# The first API (without a tokenizer) has every operation tested; the second (with one) the
+# operations whose document the tokenizer changes, and those their links lead to. Each in
+# three runs with budgets of their own, so that no phase starves another (with one budget
+# shared, a loaded CI run's Coverage took all of the tokenizer API's 45 s, and 90 s when given
+# 90, and left Fuzzing and Stateful none: a failed run without a finding):
+# - Coverage of every operation but the submit, whole (no budget: ~1,600 cases, ~10 s here);
+# - Coverage of the submit within a budget: its nested body has ~7,000 boundary cases (~40 s),
+#   each a valid batch the worker then generates, too many to send whole on every run;
+# - Fuzzing and Stateful within a budget.
+RUNS: list[tuple[str, str, dict[str, int]]] = [
+    ("coverage", "examples,coverage", {}),
+    ("coverage of the submit", "coverage", {"bare": 10, "tokenizer": 10}),
+    ("fuzzing", "fuzzing,stateful", {"bare": 20, "tokenizer": 25}),
+]
 REQUEST_TIMEOUT_S = 5
 CALL_TIMEOUT_S = 4  # a call not answered by then is a 504, not a client timeout
 # The worker: unpaced, 16 tokens a step; a context of 512 tokens, so that a call whose
@@ -58,40 +68,45 @@ def schemathesis(
     base: str,
     env: dict[str, str],
     cwd: Path,
-    max_time: int,
+    phases: str,
+    max_time: int | None,
     only: list[str] | None = None,
     hook_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """The CLI's run against ``base``; ``only``: these operations (by operationId);
-    ``hook_env``: what the hooks are told (the API's tokenizer)."""
+    """The CLI's run of ``phases`` against ``base``; ``only``: these operations (by
+    operationId); ``hook_env``: what the hooks are told (the API's tokenizer)."""
     hook_env = hook_env or {}
+    budget = ["--max-time", str(max_time)] if max_time is not None else []
     only_args = ["--include-operation-id-regex", f"^({'|'.join(only)})$"] if only else []
     return subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "run", f"{base}/openapi.json",
-         "--checks", "all", "--max-time", str(max_time), "--seed", str(SEED), *only_args,
+         "--checks", "all", "--phases", phases, *budget, "--seed", str(SEED), *only_args,
          "--exclude-path-regex", NOT_FUZZED,
          "--workers", "1", "--request-timeout", str(REQUEST_TIMEOUT_S), "--header",
          f"Authorization: Bearer {TOKEN}"],
         env={**env, "SCHEMATHESIS_HOOKS": "tests.api.schemathesis_hooks", "NO_COLOR": "1",
              "SCHEMATHESIS_CONTEXT": str(SYNTHETIC["context_length"]), **hook_env},
-        cwd=cwd, capture_output=True, text=True, timeout=max_time + 60,
+        cwd=cwd, capture_output=True, text=True, timeout=(max_time or 600) + 60,
         check=False,  # its exit status is asserted below, with its report
     )  # fmt: skip
 
 
-def assert_clean(run: subprocess.CompletedProcess[str], what: str, every: bool) -> None:
+def assert_clean(
+    run: subprocess.CompletedProcess[str], what: str, every: bool, phases: str
+) -> None:
     out = f"{what}:\n{run.stdout}{run.stderr}"
     assert run.returncode == 0, findings(out)
-    # Every phase ran, every operation selected (``every``: all) was tested, and a hundred or
-    # more requests were sent (~200-400 in 30 s here: the generation is most of the cost).
-    for phase in ("Coverage", "Fuzzing", "Stateful"):
+    # Every phase ran (Examples: the document has none), every operation selected (``every``:
+    # all) was tested, and a hundred or more requests were sent (~1,000 in 20 s here).
+    for phase in (p.capitalize() for p in phases.split(",") if p != "examples"):
         assert f"✅  {phase}" in out, out[-3000:]
     selected = re.search(r"Selected: (\d+)/(\d+)\s+Tested: (\d+)", out)
     assert selected is not None and selected[1] == selected[3], out[-3000:]
     assert int(selected[2]) - int(selected[1]) == len(NOT_FUZZED_PATHS) or not every, out[-3000:]
     counts = re.search(r"(\d+) generated, (\d+) passed", out)
     assert counts is not None and int(counts[1]) == int(counts[2]) >= 100, out[-3000:]
-    print(what, counts[0])
+    phases = re.findall(r"(Coverage|Fuzzing|Stateful) \(in ([\d.]+)s\)", out)
+    print(what, counts[0], ", ".join(f"{phase} {s} s" for phase, s in phases))
 
 
 def findings(out: str) -> str:
@@ -100,6 +115,13 @@ def findings(out: str) -> str:
     start = out.find("= FAILURES =")
     lines = out[start if start >= 0 else 0 :].splitlines()
     return "\n".join(line if len(line) <= 1500 else f"{line[:1500]} [...]" for line in lines)
+
+
+def _ops(what: str, ops: list[str]) -> list[str]:
+    """The operations a run of ``RUNS`` tests, of those ``ops`` selected."""
+    if what == "coverage of the submit":
+        return ["submit"]
+    return [op for op in ops if op != "submit"] if what == "coverage" else ops
 
 
 def changed(doc: dict[str, Any], before: dict[str, Any]) -> list[str]:
@@ -150,7 +172,7 @@ async def answered(base: str) -> dict[str, float]:
     return out
 
 
-@pytest.mark.slow  # ~70 s: two runs' budgets, and four processes' start
+@pytest.mark.slow  # ~110 s: six runs (three to their budgets), four processes' start
 async def test_schemathesis_finds_no_drift_and_no_5xx(tmp_path: Path) -> None:
     tokenizer = make_tiny_tokenizer(tmp_path / "tokenizer", chat_template=TOOL_CHAT_TEMPLATE)
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -174,7 +196,12 @@ async def test_schemathesis_finds_no_drift_and_no_5xx(tmp_path: Path) -> None:
                 docs[name] = json.loads(await fetch(base, "/openapi.json"))
                 only = changed(docs[name], docs["bare"]) if name != "bare" else None
                 told = {"SCHEMATHESIS_TOKENIZER": str(tokenizer)} if name != "bare" else {}
-                runs[name] = schemathesis(base, env, tmp_path, MAX_TIME_S[name], only, told)
+                ops = only or sorted(_operations(docs[name]))
+                runs[name] = [
+                    (what, phases, schemathesis(base, env, tmp_path, phases, budget.get(name),
+                                                _ops(what, ops), told))
+                    for what, phases, budget in RUNS
+                ]  # fmt: skip
                 served[name] = await answered(base)
         finally:
             stop(worker, *(proc for _, proc, _ in apis.values()))
@@ -183,8 +210,10 @@ async def test_schemathesis_finds_no_drift_and_no_5xx(tmp_path: Path) -> None:
     assert {"submit", "completions", "chat_completions"} <= set(
         changed(docs["tokenizer"], docs["bare"])
     )
-    for name, run in runs.items():
-        assert_clean(run, f"the API {name}", every=name == "bare")
+    for name, api_runs in runs.items():
+        for what, phases, run in api_runs:
+            every = name == "bare" and what == "fuzzing"
+            assert_clean(run, f"the API {name}, {what}", every=every, phases=phases)
     for name, (_, _, log) in apis.items():
         assert "unexpected error" not in log.read_text(), name
     # The calls were served (the worker answered them), not merely refused; chat only where
