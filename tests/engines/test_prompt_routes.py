@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from statemachine.arrays import unpack_array
+from statemachine.arrays import pack_array, unpack_array
 from statemachine.request import SamplingParams
 from tests.engine_pool import EnginePool
 from tests.engines.routing import hf_routing
 from tests.engines.stream import collect_request
 from workers.demo.tiny_model import NUM_LAYERS, TOP_K, make_tiny_checkpoint
 from workers.engines.base import EngineLimits, EngineRequest, Step
+from workers.engines.cpu.channel import StepBuilder
 from workers.engines.cpu.core import PREFILL_TOKENS_PER_ROUND, EngineCore
 from workers.engines.cpu.engine import CpuEngine
 from workers.engines.errors import RequestRejected
@@ -90,6 +91,24 @@ async def test_steps_carry_them_with_the_requests_first_token(
     assert set(routes) == {"asked"}
     expected = hf_routing(tiny_moe_dir, prompt + tokens["asked"])
     np.testing.assert_array_equal(routes["asked"], expected[0 : len(prompt) - 1])
+
+
+def test_a_read_of_several_rounds_gives_them_to_the_first_tokens_step_only() -> None:
+    """Under load one read from the engine's process holds several decode rounds of a request:
+    its prompt routes go with the step of its first token, not with every step it is in (the
+    stepper would save them twice: a loaded CI run's episode failed with RoutesMismatch)."""
+    rows = np.ones((3, NUM_LAYERS, TOP_K), dtype=np.uint8)
+    dtype, shape, data = pack_array(rows)
+    packed = [dtype, shape, bytes(data)]  # as the wire (msgpack) gives it back
+    builder = StepBuilder()
+    for token, first in ((7, True), (8, False), (9, False)):
+        for rid in ("asked", "other"):
+            routes = packed if first and rid == "asked" else None
+            builder.take(rid, ["chunk", 1, token, -0.5, None, None, None, 0, None, routes])
+    steps = builder.build()
+    assert [s.token_ids.tolist() for s in steps] == [[7, 7], [8, 8], [9, 9]]
+    assert [set(s.prompt_routes or {}) for s in steps] == [{"asked"}, set(), set()]
+    np.testing.assert_array_equal(steps[0].prompt_routes["asked"], rows)  # type: ignore[index]
 
 
 def _read(step: Step, tokens: dict[str, list[int]]) -> None:

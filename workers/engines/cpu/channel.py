@@ -105,12 +105,11 @@ class StepBuilder:
     round and weight version (normally one per read), the ends in the last."""
 
     def __init__(self) -> None:
-        # rid, token, logprob, routes, version, top ([ids], [logprobs] or None)
-        self.parts: list[tuple[str, Any, Any, Any, int, Any]] = []
+        # rid, token, logprob, routes, version, top ([ids], [logprobs] or None), prompt routes
+        # (packed: with the request's first token only; rare, a turn's first token after a
+        # tool result)
+        self.parts: list[tuple[str, Any, Any, Any, int, Any, Any]] = []
         self.ends: dict[str, End] = {}
-        # rid -> its prompt routes (packed), with the request's first token; rare: a turn's
-        # first token after a tool result.
-        self.prompt_routes: dict[str, Any] = {}
 
     def take(self, rid: str, message: list[Any]) -> bool:
         """Add a chunk or error message of ``rid``; True if its stream ended with it."""
@@ -119,9 +118,7 @@ class StepBuilder:
             self.ends[rid] = End(error=ERRORS.get(error, EngineError)(text))
             return True
         _, _, token, logprob, routes, finish, stop_reason, version, top, prompt_routes = message
-        self.parts.append((rid, token, logprob, routes, version, top))
-        if prompt_routes is not None:
-            self.prompt_routes[rid] = prompt_routes
+        self.parts.append((rid, token, logprob, routes, version, top, prompt_routes))
         if finish is None:
             return False
         self.ends[rid] = End(finish_reason=FinishReason(finish), stop_reason=stop_reason)
@@ -131,7 +128,7 @@ class StepBuilder:
         return bool(self.parts or self.ends)
 
     def build(self) -> list[Step]:
-        runs: list[list[tuple[str, Any, Any, Any, int, Any]]] = []
+        runs: list[list[tuple[str, Any, Any, Any, int, Any, Any]]] = []
         seen: set[str] = set()
         for part in self.parts:
             # A read may hold several decode rounds: a request appears once per step.
@@ -150,22 +147,22 @@ class StepBuilder:
                 ),
                 weight_version=run[0][4],
                 **_tops([p[5] for p in run]),
+                prompt_routes=_prompt_routes(run),
             )
             for run in runs
         ]
-        if self.prompt_routes:
-            steps = [_with_prompt_routes(step, self.prompt_routes) for step in steps]
         if not steps:
             return [Step.only_ends(self.ends)]
         steps[-1] = dataclasses.replace(steps[-1], ends=self.ends)
         return steps
 
 
-def _with_prompt_routes(step: Step, packed: dict[str, Any]) -> Step:
-    """``step`` with the prompt routes of its requests that have them (a request's first token
-    is in one step only, so each goes to exactly one)."""
-    mine = {rid: unpack_array(packed[rid]) for rid in step.request_ids if rid in packed}
-    return dataclasses.replace(step, prompt_routes=mine) if mine else step
+def _prompt_routes(run: list[tuple[str, Any, Any, Any, int, Any, Any]]) -> Any:
+    """The prompt routes of a step's requests that have them: those whose first token it
+    holds. Only that step: a read may hold several decode rounds of one request, and a
+    stepper given them again would save them twice."""
+    mine = {p[0]: unpack_array(p[6]) for p in run if p[6] is not None}
+    return mine or None
 
 
 def _tops(tops: list[Any]) -> dict[str, Any]:
