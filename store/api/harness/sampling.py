@@ -103,7 +103,7 @@ def sampling(  # noqa: PLR0912  (one branch per kind of field, read in order)
                 )  # fmt: skip
             continue
         if name in _NO_EFFECT:
-            if not isinstance(value, _NO_EFFECT[name]):
+            if not _of_type(value, _NO_EFFECT[name]):
                 raise ApiError(422, "invalid_request", f"{where} has the wrong type", where)
             continue
         known = f"{where} is not a sampling parameter durable-rollouts knows"
@@ -160,6 +160,12 @@ def _skip_routes(start: Any, prompt_len: int, field: str) -> int:
             f"prompt's length ({ends[1]}) or absent", f"{field}.routed_experts_prompt_start",
         )  # fmt: skip
     return 1 if start == prompt_len else 0
+
+
+def _of_type(value: Any, types: type | tuple[type, ...]) -> bool:
+    """``isinstance`` as JSON means it: true is no int (Python's bool is one)."""
+    bools = types is bool or (isinstance(types, tuple) and bool in types)
+    return isinstance(value, types) and (bools or not isinstance(value, bool))
 
 
 def _is_one_of(value: Any, allowed: tuple[Any, ...]) -> bool:

@@ -98,6 +98,10 @@ REFUSED = [
     ({"prompt_logprobs": 1}, "sampling_params.prompt_logprobs"),
     ({"bad_words": ["x"]}, "sampling_params.bad_words"),
     ({"no_such_param": 1}, "sampling_params.no_such_param"),
+    # JSON's types, not Python's: true is not the integer 1, nor false the neutral 0.
+    ({"stream_interval": True}, "sampling_params.stream_interval"),
+    ({"presence_penalty": False}, "sampling_params.presence_penalty"),
+    ({"detokenize": 1}, "sampling_params.detokenize"),
     ({"routed_experts_prompt_start": 0}, "sampling_params.routed_experts_prompt_start"),
     ({"n": 0}, "sampling_params.n"),
     ({"temperature": -1.0}, "sampling_params.temperature"),
