@@ -45,6 +45,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"vllm-server-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._held: socket.socket | None = None  # the port of a killed server (``kill``)
 
     def command(self) -> list[str]:
         return [
@@ -107,12 +108,22 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGSTOP)
 
     def kill(self) -> None:
-        """SIGKILL the server and its children at once (a crash, for the failover tests)."""
+        """SIGKILL the server and its children at once (a crash, for the failover tests).
+        Its port stays held, bound and not listening (refusing connections), until ``stop``:
+        a process of another test that took the freed port would answer for the dead server
+        (a CI run's pool found the killed one healthy again)."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+            held = socket.socket()
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            held.bind(("127.0.0.1", self.port))
+            self._held = held
 
     def stop(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         if self.proc is None or self.proc.poll() is not None:
             return
         os.killpg(self.proc.pid, signal.SIGTERM)
