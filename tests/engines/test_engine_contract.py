@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from statemachine.request import SamplingParams
 from statemachine.status import FinishReason
 from tests.engines.stream import Generation, collect_request
 from workers.demo.tiny_model import make_tiny_model
-from workers.engines.base import Engine, EngineRequest
+from workers.engines.base import Chunk, Engine, EngineRequest
 from workers.engines.errors import EngineError, RequestAborted, RequestRejected
 from workers.engines.synthetic import SyntheticEngine
 
@@ -314,11 +315,14 @@ async def test_load_weights_under_inflight_request(
     """In-flight requests continue on the new weights from a recomputed KV cache."""
     # Long enough that the request is usually still generating when the load lands: at N
     # tokens a fast machine (~4 ms steps) once finished all of them first. A loaded one can
-    # still: vllm-http's servers generated all 4 * N (and, once, 16 * N) tokens before the
-    # test process, starved of CPU, sent its load. Then the round is run again, on the first
-    # weights put back under a new version and with twice the tokens, up to what the context
-    # holds (CI runs once lost three rounds of 4 * N, and once 96, 192 and 384 tokens: six
-    # rounds now): an engine that never switches a request in flight still fails, six times.
+    # still: a vLLM server's engine core runs apart from its API process and from this test's,
+    # so when both are starved of CPU it generates every token before the first chunk comes
+    # (CI runs lost three rounds of 4 * N, then rounds of 96, 192, 384, 384, 384 and 384
+    # tokens). Then the round is run again, on the first weights put back under a new version,
+    # with up to 16 * N tokens, and every other round sends the load right after the request,
+    # without waiting for a chunk (such a load may land before the request starts: all its
+    # tokens new, the round run again). A round counts when one request has tokens of both
+    # versions; an engine that never switches a request in flight still fails, six times.
     engine = await engines(model_dir)
     reference = await engines(second_checkpoint, weight_version=1)
     for round_ in range(6):
@@ -333,11 +337,20 @@ async def test_load_weights_under_inflight_request(
             sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
         )
         stream = engine.generate(request)
-        chunks = [await anext(stream) for _ in range(3)]
+
+        async def first_chunks(stream: AsyncIterator[Chunk] = stream) -> list[Chunk]:
+            return [await anext(stream) for _ in range(3)]
+
+        reading = asyncio.create_task(first_chunks())
+        if round_ % 2:
+            await asyncio.sleep(0.05)  # the request out (its first anext has run)
+        else:
+            await asyncio.wait({reading})
         await engine.load_weights(str(second_checkpoint), before + 1)
+        chunks = await reading
         chunks += [c async for c in stream]
         versions = [c.weight_version for c in chunks]
-        if versions[-1] == before + 1:
+        if (versions[0], versions[-1]) == (before, before + 1):
             break
     assert versions == sorted(versions)
     assert (versions[0], versions[-1]) == (before, before + 1)
