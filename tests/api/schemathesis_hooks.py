@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import os
 from typing import Any
@@ -215,25 +216,33 @@ def _chat_prompt_len(body: dict[str, Any]) -> int | None:
         return None
 
 
+# Each shrinks the body one step, and says whether it could (the loop stops when none can).
 def _drop_last_message(body: dict[str, Any]) -> bool:
-    return len(body["messages"]) > 1 and bool(body["messages"].pop())
+    if len(body["messages"]) <= 1:
+        return False
+    body["messages"].pop()
+    return True
 
 
 def _drop_last_tool(body: dict[str, Any]) -> bool:
     tools = body.get("tools")
-    return isinstance(tools, list) and len(tools) > 1 and bool(tools.pop())
+    if not isinstance(tools, list) or len(tools) <= 1:
+        return False
+    tools.pop()
+    return True
 
 
 def _plain_messages(body: dict[str, Any]) -> bool:
-    changed = body["messages"] != PLAIN_MESSAGES
-    body["messages"] = list(PLAIN_MESSAGES)
-    return changed
+    if body["messages"] == PLAIN_MESSAGES:
+        return False
+    body["messages"] = copy.deepcopy(PLAIN_MESSAGES)
+    return True
 
 
 def _plain_tools(body: dict[str, Any]) -> bool:
     if not body.get("tools") or body["tools"] == PLAIN_TOOLS:
         return False
-    body["tools"] = list(PLAIN_TOOLS)
+    body["tools"] = copy.deepcopy(PLAIN_TOOLS)
     return True
 
 

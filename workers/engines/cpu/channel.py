@@ -100,15 +100,18 @@ def handshake(
     raise EngineError(f"the CPU engine for {model_dir!s} was not ready in {START_TIMEOUT_S}s")
 
 
+# One token of a read: rid, token, logprob, routes, version, top ([ids], [logprobs] or None),
+# prompt routes (packed: with the request's first token only; rare, a turn's first token after
+# a tool result).
+_Part = tuple[str, Any, Any, Any, int, Any, Any]
+
+
 class StepBuilder:
     """The messages of one read for requests added with ``add``, as ``Step``s: one per decode
     round and weight version (normally one per read), the ends in the last."""
 
     def __init__(self) -> None:
-        # rid, token, logprob, routes, version, top ([ids], [logprobs] or None), prompt routes
-        # (packed: with the request's first token only; rare, a turn's first token after a
-        # tool result)
-        self.parts: list[tuple[str, Any, Any, Any, int, Any, Any]] = []
+        self.parts: list[_Part] = []
         self.ends: dict[str, End] = {}
 
     def take(self, rid: str, message: list[Any]) -> bool:
@@ -128,7 +131,7 @@ class StepBuilder:
         return bool(self.parts or self.ends)
 
     def build(self) -> list[Step]:
-        runs: list[list[tuple[str, Any, Any, Any, int, Any, Any]]] = []
+        runs: list[list[_Part]] = []
         seen: set[str] = set()
         for part in self.parts:
             # A read may hold several decode rounds: a request appears once per step.
@@ -157,7 +160,7 @@ class StepBuilder:
         return steps
 
 
-def _prompt_routes(run: list[tuple[str, Any, Any, Any, int, Any, Any]]) -> Any:
+def _prompt_routes(run: list[_Part]) -> Any:
     """The prompt routes of a step's requests that have them: those whose first token it
     holds. Only that step: a read may hold several decode rounds of one request, and a
     stepper given them again would save them twice."""
